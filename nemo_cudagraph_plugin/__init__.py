@@ -1,0 +1,53 @@
+"""nemo_cudagraph_plugin: whole-step CUDA graphs for Lightning/NeMo LLM training.
+
+Public entry points::
+
+    from nemo_cudagraph_plugin import CudaGraphCallback, CudaGraphStrategy
+    from nemo_cudagraph_plugin import refresh_fp8_transposes, verify_fp8_transposes  # TE FP8 care
+    from nemo_cudagraph_plugin import align_fp8_transposes                            # pipeline stages
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core.config import CaptureConfig, CaptureStats
+from .core.errors import CaptureError, NonFiniteError, ParityError
+from .lightning.callback import CudaGraphCallback
+from .lightning.strategy import CudaGraphStrategy
+
+__version__ = "0.1.0"
+
+# Names resolved lazily so that importing the package never imports TransformerEngine.
+_LAZY = {
+    "refresh_fp8_transposes": "nemo_cudagraph_plugin.fp8",
+    "verify_fp8_transposes": "nemo_cudagraph_plugin.fp8",
+    "install_fp8_refresh": "nemo_cudagraph_plugin.fp8",
+    "after_param_sync": "nemo_cudagraph_plugin.fp8",
+    "Fp8TransposeRefresh": "nemo_cudagraph_plugin.lightning.fp8_callback",
+    "align_fp8_transposes": "nemo_cudagraph_plugin.pipeline",
+    "MicrobatchTimer": "nemo_cudagraph_plugin.pipeline",
+    "AlignPipelineTransposes": "nemo_cudagraph_plugin.lightning.pipeline_callback",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'nemo_cudagraph_plugin' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)
+
+
+__all__ = [
+    "CaptureConfig",
+    "CaptureError",
+    "CaptureStats",
+    "CudaGraphCallback",
+    "CudaGraphStrategy",
+    "NonFiniteError",
+    "ParityError",
+    "__version__",
+    *_LAZY,
+]

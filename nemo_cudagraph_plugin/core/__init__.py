@@ -1,0 +1,30 @@
+"""Framework-free core: capture engine, static buffers, graph cache, RNG, optimizer prep, NaN guard."""
+
+from .buffers import StaticInputs, flatten, signature_of, unflatten
+from .config import CaptureConfig, CaptureStats
+from .engine import CaptureEngine, GraphEntry
+from .errors import CaptureError, NonFiniteError, ParityError
+from .graph_cache import GraphCache
+from .nan_guard import NanGuard
+from .optim import OptimizerPrep, check_optimizer_supported, portable_optimizer_state
+from .rng import GeneratorRegistry
+
+__all__ = [
+    "CaptureConfig",
+    "CaptureEngine",
+    "CaptureError",
+    "CaptureStats",
+    "GeneratorRegistry",
+    "GraphCache",
+    "GraphEntry",
+    "NanGuard",
+    "NonFiniteError",
+    "OptimizerPrep",
+    "ParityError",
+    "StaticInputs",
+    "check_optimizer_supported",
+    "flatten",
+    "portable_optimizer_state",
+    "signature_of",
+    "unflatten",
+]

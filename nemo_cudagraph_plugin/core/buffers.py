@@ -1,0 +1,132 @@
+"""Static input buffers for nested batches.
+
+A CUDA graph reads its inputs from fixed addresses, so every batch is copied (``copy_``) into
+buffers allocated once per input signature. A batch may be any nesting of dict, list, tuple,
+namedtuple and dataclass; tensor leaves are copied, every other leaf (strings, ints, ``None``)
+is part of the signature and compared, never copied: a step captured with ``mode="a"`` is never
+replayed for ``mode="b"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["flatten", "unflatten", "signature_of", "StaticInputs"]
+
+# Spec nodes (all hashable):
+#   _T                                  a tensor leaf
+#   ("c", value)                        a hashable non-tensor leaf, compared by value
+#   ("r", type_name, repr)              an unhashable non-tensor leaf, compared by repr
+#   ("d", keys, children)               dict (keys in insertion order)
+#   ("l", children) / ("t", children)   list / tuple
+#   ("n", type, children)               namedtuple
+#   ("D", type, names, children)        dataclass instance
+_T = "T"
+
+
+def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Hashable:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return _T
+    if isinstance(obj, dict):
+        keys = tuple(obj.keys())
+        return ("d", keys, tuple(_flatten(obj[k], leaves) for k in keys))
+    if isinstance(obj, tuple):
+        if hasattr(obj, "_fields"):  # namedtuple
+            return ("n", type(obj), tuple(_flatten(v, leaves) for v in obj))
+        return ("t", tuple(_flatten(v, leaves) for v in obj))
+    if isinstance(obj, list):
+        return ("l", tuple(_flatten(v, leaves) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        return ("D", type(obj), names, tuple(_flatten(getattr(obj, n), leaves) for n in names))
+    try:
+        hash(obj)
+    except TypeError:
+        return ("r", type(obj).__qualname__, repr(obj))
+    return ("c", obj)
+
+
+def flatten(obj: Any) -> tuple[list[torch.Tensor], Hashable]:
+    """Split a nested batch into its tensor leaves and a hashable structure spec."""
+    leaves: list[torch.Tensor] = []
+    spec = _flatten(obj, leaves)
+    return leaves, spec
+
+
+def _unflatten(spec: Hashable, it) -> Any:
+    if spec == _T:
+        return next(it)
+    kind = spec[0]
+    if kind == "c":
+        return spec[1]
+    if kind == "r":
+        raise ValueError(
+            f"cannot rebuild a batch leaf of type {spec[1]} (unhashable, compared by repr only); "
+            "pass tensors, numbers, strings or containers of them"
+        )
+    if kind == "d":
+        return {k: _unflatten(s, it) for k, s in zip(spec[1], spec[2])}
+    if kind == "l":
+        return [_unflatten(s, it) for s in spec[1]]
+    if kind == "t":
+        return tuple(_unflatten(s, it) for s in spec[1])
+    if kind == "n":
+        return spec[1](*(_unflatten(s, it) for s in spec[2]))
+    if kind == "D":
+        return spec[1](**{n: _unflatten(s, it) for n, s in zip(spec[2], spec[3])})
+    raise AssertionError(f"unknown spec node {spec!r}")
+
+
+def unflatten(spec: Hashable, leaves: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`: rebuild the batch from ``spec`` with ``leaves`` in order."""
+    return _unflatten(spec, iter(leaves))
+
+
+def signature_of(leaves: list[torch.Tensor], spec: Hashable) -> Hashable:
+    """Hashable key of a batch: its structure, non-tensor leaves and each tensor's shape/dtype/device.
+
+    Strides are included because a replay copies into a buffer laid out like the captured batch;
+    a transposed view would otherwise be read in the wrong order by kernels that assume
+    contiguity.
+    """
+    return (spec, tuple((t.shape, t.dtype, t.device, t.stride()) for t in leaves))
+
+
+class StaticInputs:
+    """Buffers holding the batch that a captured graph reads.
+
+    Created from one example batch (its signature); :meth:`copy_from` copies a new batch of the
+    same signature in with one ``copy_`` per tensor leaf on the current stream.
+    """
+
+    def __init__(self, leaves: list[torch.Tensor], spec: Hashable, device: Optional[torch.device] = None) -> None:
+        for i, t in enumerate(leaves):
+            if device is not None and t.device != device:
+                raise ValueError(
+                    f"batch tensor #{i} (shape {tuple(t.shape)}) is on {t.device}, but the step is captured on "
+                    f"{device}. Move every batch tensor to the GPU before the step (Lightning's "
+                    "transfer_batch_to_device does this), or pass CPU-side values as Python numbers/strings."
+                )
+            if t.requires_grad:
+                raise ValueError(
+                    f"batch tensor #{i} requires grad; inputs of a captured step must be plain data tensors."
+                )
+        self.spec = spec
+        # empty_strided keeps the example's layout, so kernels read the same strides they were captured with.
+        self.leaves = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in leaves]
+        for s, t in zip(self.leaves, leaves):
+            s.copy_(t)
+        self.batch = unflatten(spec, self.leaves)
+
+    def copy_from(self, leaves: list[torch.Tensor]) -> None:
+        """Copy a batch of the same signature into the buffers (no allocation, no sync)."""
+        for s, t in zip(self.leaves, leaves):
+            s.copy_(t, non_blocking=True)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.leaves)

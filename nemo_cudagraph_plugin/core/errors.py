@@ -1,0 +1,182 @@
+"""Errors raised by the capture engine, and the helper that points them at the user's code.
+
+Every error here says what went wrong *and what to change*. Capture failures name the first
+frame of user code (not torch, Lightning or this package) so the message reads
+``my_model.py:42: `.item()` forces a host sync ...`` instead of a raw CUDA error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from types import TracebackType
+from typing import Optional
+
+__all__ = [
+    "CaptureError",
+    "NonFiniteError",
+    "ParityError",
+    "CAPTURE_RULES",
+    "classify_capture_error",
+    "user_location",
+]
+
+
+class CaptureError(RuntimeError):
+    """The training step cannot be captured into a CUDA graph.
+
+    Attributes:
+        rule: short name of the rule that was broken (``"host-sync"``, ``"cpu-tensor"``, ...).
+        location: ``"file.py:LINE"`` of the user's code that broke it, when it could be found.
+    """
+
+    def __init__(self, message: str, rule: str = "unknown", location: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.location = location
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/Inf loss or gradient was seen by the NaN guard.
+
+    Attributes:
+        parameter: name of the first parameter whose gradient was non-finite (``None`` if only the
+            loss was non-finite).
+        step: the global step at which it was first seen (device-side record), when known.
+    """
+
+    def __init__(self, message: str, parameter: Optional[str] = None, step: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.step = step
+
+
+class ParityError(AssertionError):
+    """A graphed step differed from the same step run eagerly (``verify_steps``)."""
+
+
+# Rule name -> (what the user did, what to change). Matched against the exception text.
+CAPTURE_RULES: dict[str, tuple[str, str]] = {
+    "host-sync": (
+        "a host synchronisation inside the captured step (`.item()`, `.cpu()`, `.tolist()`, `print(tensor)`,"
+        " `float(tensor)`, or a Python `if`/`while` on a tensor value)",
+        "keep values on the device (log the tensor itself with self.log, use torch.where instead of a Python"
+        " branch), or move that code to a hook outside the step (on_train_batch_end, validation)",
+    ),
+    "cpu-tensor": (
+        "a CPU tensor created inside the step and copied to the GPU (torch.tensor(...), .to('cuda'), .cuda())",
+        "create the tensor once outside the step (e.g. register_buffer in __init__) or build it on the device"
+        " with torch.full/torch.zeros(..., device=...)",
+    ),
+    "dynamic-shape": (
+        "an operation whose output shape depends on tensor values (torch.nonzero, boolean-mask indexing,"
+        " torch.unique)",
+        "use fixed-shape alternatives (torch.where, masked_fill, multiplication by a mask)",
+    ),
+    "unsupported-op": (
+        "a CUDA operation that cannot be captured (e.g. a synchronising library call or a new CUDA stream"
+        " without waiting on the capture stream)",
+        "move it out of training_step, or run this model with on_capture_error='eager'",
+    ),
+}
+
+
+_SYNC_MARKERS = (
+    "synchronizing cuda operation",
+    "operation not permitted when stream is capturing",
+    "cudaerrorstreamcaptureunsupported",
+    "stream is capturing",
+    "capture_invalidated",
+    "operation failed due to a previous error during capture",
+    "cudaerrorstreamcaptureinvalidated",
+)
+
+
+_COMPARISON = re.compile(r"(>=?|<=?|==|!=|\bmask\b)")
+
+
+def _mask_indexing(code: str) -> bool:
+    """True if a comparison or a ``mask`` appears inside square brackets: ``x[x > 0]``, ``x[m["a"] == 1]``."""
+    depth, inside = 0, []
+    for ch in code:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(0, depth - 1)
+        inside.append(ch if depth > 0 else " ")
+    return bool(_COMPARISON.search("".join(inside)))
+
+
+def classify_capture_error(exc: BaseException) -> str:
+    """Map an exception raised while checking or capturing a step to a rule name.
+
+    The message says *that* the step synced; the user's source line says *why*.
+    """
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if "nonzero" in text or "boolean index" in text or "unique" in text or "masked_select" in text:
+        return "dynamic-shape"
+    frame = _user_frame(exc.__traceback__)
+    if frame is None and exc.__traceback__ is not None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        frame = frames[-1] if frames else None
+    code = (frame.line or "").lower() if frame is not None else ""
+    if any(m in text for m in _SYNC_MARKERS):
+        if "nonzero" in code or "unique(" in code or "masked_select" in code or _mask_indexing(code):
+            return "dynamic-shape"
+        if any(tok in code for tok in ("torch.tensor(", ".cuda(", ".to(", "torch.as_tensor(", "from_numpy(")):
+            return "cpu-tensor"
+        return "host-sync"
+    return "unsupported-op"
+
+
+def _package_dirs() -> tuple[str, ...]:
+    import torch
+
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__)]
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "transformer_engine", "megatron", "nemo"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(mod.__file__)))
+    stdlib = os.path.dirname(os.__file__)
+    dirs.append(stdlib)
+    return tuple(dirs)
+
+
+def _user_frame(tb: Optional[TracebackType]) -> Optional[traceback.FrameSummary]:
+    if tb is None:
+        return None
+    skip = _package_dirs()
+    best = None
+    for frame in traceback.extract_tb(tb):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(skip) or "site-packages" in path or frame.filename.startswith("<"):
+            continue
+        best = frame
+    return best
+
+
+def user_location(tb: Optional[TracebackType]) -> Optional[str]:
+    """Return ``"path:line"`` of the innermost traceback frame that belongs to user code.
+
+    User code is anything outside torch, Lightning, TransformerEngine, Megatron, NeMo, the
+    standard library, site-packages and this package. Returns ``None`` when no such frame exists.
+    """
+    frame = _user_frame(tb)
+    return f"{frame.filename}:{frame.lineno}" if frame is not None else None
+
+
+def capture_error_from(exc: BaseException, what: str) -> CaptureError:
+    """Build the one user-facing :class:`CaptureError` for an exception raised during ``what``."""
+    rule = classify_capture_error(exc)
+    did, fix = CAPTURE_RULES[rule]
+    where = user_location(exc.__traceback__)
+    head = f"{where}: " if where else ""
+    msg = (
+        f"{head}cannot capture the training step into a CUDA graph ({what}): {did}.\n"
+        f"  Fix: {fix}.\n"
+        f"  Or pass on_capture_error='eager' to train this model without graphs.\n"
+        f"  Original error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    )
+    return CaptureError(msg, rule=rule, location=where)

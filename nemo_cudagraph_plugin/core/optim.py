@@ -1,0 +1,296 @@
+"""Make torch optimizers run inside a CUDA graph, and keep their hyperparameters live.
+
+Inside a graph every Python float an optimizer uses is frozen into the kernels' arguments at
+capture. So that LR schedulers keep working, the learning rate (and Adam's betas) become
+one-element device tensors that schedulers update in place (``fill_``, which torch's
+schedulers already do for tensor values); the kernels read them on every replay.
+
+What is changed, per param group, until :meth:`OptimizerPrep.restore`:
+- Adam/AdamW (and any optimizer with a ``capturable`` option): ``capturable=True``; step
+  counters live on the device.
+- SGD: ``fused=True`` (the fused kernel takes ``lr`` as a device tensor without a host sync).
+- ``lr`` (and ``betas`` where supported) become device tensors.
+- ``nan_action="skip"``: Adam/AdamW/SGD run their fused kernels, which skip the update on the
+  device when ``optimizer.found_inf`` is set.
+
+Any other scalar hyperparameter (``weight_decay``, ``eps``, SGD ``momentum``...) stays a float:
+:meth:`OptimizerPrep.changed_scalars` reports a change so the engine can re-capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["OptimizerPrep", "check_optimizer_supported", "portable_optimizer_state"]
+
+# Optimizers that cannot run inside a graph at all, with what to use instead.
+_REFUSED: dict[str, str] = {
+    "LBFGS": "LBFGS re-evaluates the closure several times per step and reads the loss on the host",
+    "SparseAdam": "SparseAdam works on sparse gradients, whose shapes change every step",
+}
+
+# Optimizers whose update takes tensor lr/betas inside a graph (verified on torch >= 2.4).
+_TENSOR_LR = ("Adam", "AdamW", "SGD")
+_TENSOR_BETAS = ("Adam", "AdamW")
+
+
+def _family(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _TENSOR_LR + tuple(_REFUSED):
+            return cls.__name__
+    return None
+
+
+def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``TypeError`` naming the optimizer and the alternative if it cannot be graphed."""
+    name = type(optimizer).__name__
+    fam = _family(optimizer)
+    if fam in _REFUSED or name in _REFUSED:
+        why = _REFUSED.get(fam or name)
+        raise TypeError(
+            f"{name} cannot run inside a CUDA graph: {why}. Use torch.optim.AdamW, Adam or SGD "
+            "(or disable CUDA graphs for this model)."
+        )
+    if fam is None and "capturable" not in optimizer.defaults:
+        raise TypeError(
+            f"{name} has no `capturable` option, so its step may sync with the host or keep state on the CPU "
+            "and cannot be captured safely. Use torch.optim.AdamW, Adam or SGD, or an optimizer that accepts "
+            "capturable=True (e.g. TransformerEngine's FusedAdam)."
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable", False):
+            raise TypeError(f"{name} param group {i} has differentiable=True, which cannot be captured.")
+        for p in group["params"]:
+            if p.is_sparse:
+                raise TypeError(f"{name} param group {i} holds a sparse parameter; sparse updates cannot be captured.")
+
+
+def _to_float(v: Any) -> Any:
+    return float(v) if isinstance(v, Tensor) else v
+
+
+_PROBES: dict[tuple, tuple[bool, bool]] = {}
+
+
+def probe_tensor_hyperparams(optimizer: torch.optim.Optimizer, device: torch.device, fused: bool) -> tuple[bool, bool]:
+    """Can this torch's ``type(optimizer)`` read ``lr`` / ``betas`` from device tensors without a host sync?
+
+    Answered by running two steps of a one-parameter copy of the optimizer under
+    ``set_sync_debug_mode("error")`` (once per class and device). torch's foreach Adam, for
+    example, accepts tensor betas but turns them into host scalars (a sync), which a graph cannot
+    capture; then betas stay floats and a scheduler that cycles them is refused (see the runner).
+    """
+    fam = _family(optimizer)
+    key = (fam, str(device), fused)
+    if key in _PROBES:
+        return _PROBES[key]
+    if device.type != "cuda" or fam not in _TENSOR_LR:
+        _PROBES[key] = result = (fam in _TENSOR_LR, False)
+        return result
+    cls = type(optimizer) if type(optimizer).__module__.startswith("torch.optim") else getattr(torch.optim, fam)
+
+    def works(tensor_betas: bool) -> bool:
+        p = torch.nn.Parameter(torch.ones(4, device=device))
+        kw: dict[str, Any] = {"lr": torch.tensor(0.01, device=device)}
+        if fam in _TENSOR_BETAS:
+            kw["capturable"] = True
+            if tensor_betas:
+                kw["betas"] = (torch.tensor(0.9, device=device), torch.tensor(0.99, device=device))
+        if fused or fam == "SGD":
+            kw["fused"] = True
+        try:
+            opt = cls([p], **kw)
+            opt._warned_capturable_if_run_uncaptured = True
+            prev = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(2):
+                    p.grad = torch.ones_like(p)
+                    opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(prev)
+        except (RuntimeError, ValueError, TypeError):
+            return False
+        return True
+
+    with torch.cuda.device(device):
+        if fam in _TENSOR_BETAS and works(True):
+            result = (True, True)
+        else:
+            result = (works(False), False)
+    _PROBES[key] = result
+    return result
+
+
+def _to_float_tree(v: Any) -> Any:
+    return tuple(_to_float(x) for x in v) if isinstance(v, tuple) else _to_float(v)
+
+
+def _is_scalar_value(v: Any) -> bool:
+    if isinstance(v, (int, float, bool)):
+        return True
+    return isinstance(v, tuple) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+
+class OptimizerPrep:
+    """Switch one optimizer to its graph-safe configuration and watch its hyperparameters.
+
+    Call :meth:`apply` after the optimizer exists (and after any checkpoint was loaded) and before
+    the first eager warm-up step; :meth:`sync_hyperparams` before every replay (cheap: identity and
+    float comparisons); :meth:`restore` at the end of training.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        skip_nonfinite: bool = False,
+        tensor_hparams: Optional[tuple[bool, bool]] = None,
+    ) -> None:
+        check_optimizer_supported(optimizer)
+        self.tensor_hparams = tensor_hparams
+        self.optimizer = optimizer
+        self.device = device
+        self.skip_nonfinite = skip_nonfinite
+        self.family = _family(optimizer)
+        self._saved: list[dict[str, Any]] = []
+        # (group, key, tensor-or-tuple object installed by us)
+        self._live: list[tuple[dict, str, Any]] = []
+        # (group, key, float value at capture) for scalars a graph bakes in
+        self._frozen: list[tuple[dict, str, Any]] = []
+        self.found_inf: Optional[Tensor] = None
+        self.applied = False
+
+    # -- setup ---------------------------------------------------------------------------------
+    def apply(self) -> None:
+        opt = self.optimizer
+        fam = self.family
+        if self.skip_nonfinite and fam not in ("Adam", "AdamW", "SGD"):
+            raise TypeError(
+                f"nan_action='skip' needs an optimizer with a fused kernel that honours found_inf "
+                f"(torch.optim.Adam, AdamW or SGD), not {type(opt).__name__}. Use nan_action='raise'."
+            )
+        fused = fam == "SGD" or (self.skip_nonfinite and fam in ("Adam", "AdamW"))
+        lr_t, betas_t = self.tensor_hparams or probe_tensor_hyperparams(opt, self.device, fused)
+        first = not self._saved  # a re-apply (after load_state_dict) keeps the user's original settings
+        self._live = []
+        for group in opt.param_groups:
+            if first:
+                self._saved.append({k: group[k] for k in ("lr", "betas", "capturable", "fused", "foreach") if k in group})
+            if "capturable" in group:
+                group["capturable"] = True
+            if fused:
+                # Fused kernels take lr as a tensor without host syncs and honour found_inf.
+                group["fused"] = True
+                group["foreach"] = False
+            if lr_t:
+                lr = group["lr"]
+                if not (isinstance(lr, Tensor) and lr.device == self.device and lr.dtype == torch.float32):
+                    group["lr"] = torch.tensor(_to_float(lr), dtype=torch.float32, device=self.device)
+                self._live.append((group, "lr", group["lr"]))
+            if betas_t and "betas" in group:
+                b1, b2 = group["betas"]
+                group["betas"] = tuple(
+                    b if isinstance(b, Tensor) and b.device == self.device else
+                    torch.tensor(_to_float(b), dtype=torch.float32, device=self.device)
+                    for b in (b1, b2)
+                )
+                self._live.append((group, "betas", group["betas"]))
+        # Step counters must live on the device for capturable/fused updates (a checkpoint loaded
+        # into a non-capturable optimizer keeps them on the CPU).
+        for p, state in opt.state.items():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, Tensor) and step.device != p.device:
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+        if self.skip_nonfinite:
+            self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)  # 0-d, like GradScaler's
+            opt.found_inf = self.found_inf  # read by torch's fused Adam/AdamW/SGD kernels
+        # Warm-up steps run outside a graph on purpose; torch would warn once that capturable
+        # steps are slower uncaptured.
+        opt._warned_capturable_if_run_uncaptured = True
+        self.freeze_scalars()
+        self.applied = True
+
+    def freeze_scalars(self) -> None:
+        """Record every float hyperparameter a graph will bake in (called at each capture)."""
+        live = {(id(g), k) for g, k, _ in self._live}
+        self._frozen = [
+            (g, k, v)
+            for g in self.optimizer.param_groups
+            for k, v in g.items()
+            if k != "params" and (id(g), k) not in live and _is_scalar_value(v)
+        ]
+
+    # -- per step ------------------------------------------------------------------------------
+    def sync_hyperparams(self) -> Optional[str]:
+        """Push scheduler changes into the device tensors; report a frozen scalar that changed.
+
+        Returns ``None`` when every captured graph is still valid, else ``"group i: key a -> b"``.
+        """
+        for group, key, obj in self._live:
+            cur = group[key]
+            if cur is not obj:  # a scheduler assigned a new float/tuple: copy it into our tensors
+                if key == "lr":
+                    obj.fill_(cur if isinstance(cur, Tensor) else float(cur))
+                else:
+                    for t, v in zip(obj, cur):
+                        if v is not t:
+                            t.fill_(v if isinstance(v, Tensor) else float(v))
+                group[key] = obj
+        for group, key, value in self._frozen:
+            if group[key] != value:
+                idx = self.optimizer.param_groups.index(group)
+                return f"param group {idx}: {key} {value!r} -> {_to_float_tree(group[key])!r}"
+        return None
+
+    # -- teardown ------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Put back float hyperparameters (current values) and the original kernel choices."""
+        if not self.applied:
+            return
+        for group, saved in zip(self.optimizer.param_groups, self._saved):
+            for k in ("capturable", "fused", "foreach"):
+                if k in saved:
+                    group[k] = saved[k]
+            if isinstance(group.get("lr"), Tensor) and not isinstance(saved.get("lr"), Tensor):
+                group["lr"] = float(group["lr"])
+            if "betas" in group and not any(isinstance(b, Tensor) for b in saved.get("betas", ())):
+                group["betas"] = tuple(_to_float(b) for b in group["betas"])
+        self._saved = []
+        if self.found_inf is not None and getattr(self.optimizer, "found_inf", None) is self.found_inf:
+            del self.optimizer.found_inf
+        self.found_inf = None
+        self.applied = False
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor a captured optimizer step reads or writes (for address checks)."""
+        out: list[Tensor] = []
+        for state in self.optimizer.state.values():
+            if isinstance(state, dict):
+                out.extend(v for v in state.values() if isinstance(v, Tensor))
+        out.extend(obj for _, k, obj in self._live if k == "lr")
+        for _, k, obj in self._live:
+            if k == "betas":
+                out.extend(obj)
+        return out
+
+
+def portable_optimizer_state(state_dict: dict[str, Any], originals: Optional[list[dict[str, Any]]] = None) -> dict:
+    """Turn tensor lr/betas in an optimizer ``state_dict`` back into floats (in place).
+
+    Checkpoints written during graphed training then load into any optimizer, graphed or not.
+    ``originals`` (from :class:`OptimizerPrep`) restores ``capturable``/``fused``/``foreach``.
+    """
+    for i, group in enumerate(state_dict.get("param_groups", [])):
+        if isinstance(group.get("lr"), Tensor):
+            group["lr"] = float(group["lr"])
+        if "betas" in group:
+            group["betas"] = tuple(_to_float(b) for b in group["betas"])
+        if originals is not None and i < len(originals):
+            for k in ("capturable", "fused", "foreach"):
+                if k in originals[i]:
+                    group[k] = originals[i][k]
+    return state_dict

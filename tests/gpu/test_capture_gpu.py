@@ -1,0 +1,364 @@
+"""Whole-step capture on a real GPU: parity with eager, Lightning semantics, guards, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _lightning_utils import CapturableEager, fit, loader, make_module, max_rel
+
+from nemo_cudagraph_plugin import CaptureError, CudaGraphCallback, NonFiniteError
+from nemo_cudagraph_plugin.core import CaptureConfig, CaptureEngine
+
+STEPS = 100
+
+
+def _graphed(steps=STEPS, module_kw=None, cb_kw=None, **kw):
+    cb = CudaGraphCallback(**(cb_kw or {}))
+    trainer, rec = fit(make_module(**(module_kw or {})), [cb], steps, **kw)
+    return cb, trainer, rec
+
+
+def _eager(steps=STEPS, module_kw=None, capturable=True, **kw):
+    cbs = [CapturableEager()] if capturable else []
+    return fit(make_module(**(module_kw or {})), cbs, steps, **kw)
+
+
+def test_parity_bitwise_dropout_off():
+    cb, trainer, g = _graphed()
+    _, e = _eager()
+    _, v = _eager(capturable=False)
+    assert cb.stats.replays >= STEPS - 5, cb.stats.summary()
+    assert cb.stats.captures == 1
+    gl, el, vl = g.loss_tensor(), e.loss_tensor(), v.loss_tensor()
+    assert torch.isfinite(gl).all()
+    assert torch.equal(gl, el), f"graph vs eager(capturable) max rel diff {max_rel(gl, el):.3e}"
+    # Plain eager AdamW (capturable=False) computes the bias correction on the host in float64;
+    # the capturable kernels do it on the device in float32, so the bits differ slightly.
+    print(f"\nPARITY tiny 100 steps: graph==eager(capturable) bitwise; vs vanilla eager max rel {max_rel(gl, vl):.3e}")
+    assert max_rel(gl, vl) < 1e-3
+    # global_step advanced by one per replay, as in eager mode
+    assert g.global_steps == e.global_steps == list(range(1, STEPS + 1))
+    # the logged value is this step's loss, re-emitted after every replay
+    assert torch.equal(torch.stack(g.logged).cpu().float(), gl)
+
+
+def test_kept_loss_is_a_per_step_value():
+    _, _, g = _graphed(steps=20)
+    losses = g.loss_tensor()
+    assert len(set(losses.tolist())) > 15, "losses repeat: outputs alias the graph's static buffer"
+
+
+def test_dropout_masks_differ_per_replay_and_match_eager():
+    _, _, g = _graphed(steps=60, module_kw={"dropout": 0.1})
+    _, e = _eager(steps=60, module_kw={"dropout": 0.1})
+    gl, el = g.loss_tensor(), e.loss_tensor()
+    assert len(set(gl.tolist())) == len(gl)
+    # Same generator, same Philox offsets per step: the graphed run draws eager's masks.
+    print(f"\nDROPOUT 60 steps: graph vs eager max rel {max_rel(gl, el):.3e}; mean last 20 {gl[-20:].mean():.4f} vs {el[-20:].mean():.4f}")
+    assert abs(float(gl[-20:].mean() - el[-20:].mean())) < 0.05 * float(el[-20:].mean())
+
+
+def test_engine_dropout_rng_advances_framework_free():
+    dev = torch.device("cuda")
+    x = torch.ones(4096, device=dev)
+
+    def step(b):
+        return torch.nn.functional.dropout(b, 0.5).sum()
+
+    torch.manual_seed(3)
+    eager = [float(step(x)) for _ in range(6)]
+    torch.manual_seed(3)
+    eng = CaptureEngine(CaptureConfig(warmup_steps=2, nan_guard=False), dev, [])
+    graphed = [float(eng.step(x, 0, step)) for _ in range(6)]
+    assert eng.stats.captures == 1 and eng.stats.replays == 3
+    assert graphed == eager, (graphed, eager)
+
+
+@pytest.mark.parametrize("sched", ["lambda_warmup_cosine", "onecycle"])
+def test_schedulers_take_effect_every_replay(sched):
+    class M(type(make_module())):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            if sched == "onecycle":
+                # cycle_momentum=False: see test_cycled_momentum_is_refused_or_followed
+                s = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=80, cycle_momentum=False)
+            else:
+                s = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10) * 0.5 * (1 + math.cos(math.pi * i / 80)))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step"}}
+
+    def run(callbacks):
+        pl.seed_everything(0, verbose=False)
+        from recipes.gpt import get_config
+
+        m = M(get_config("tiny", n_layer=2, seq_len=256))
+        return fit(m, callbacks, 80)
+
+    cb = CudaGraphCallback()
+    _, g = run([cb])
+    _, e = run([CapturableEager()])
+    assert cb.stats.replays > 70 and cb.stats.recaptures == 0, cb.stats.summary()
+    assert torch.equal(g.loss_tensor(), e.loss_tensor()), max_rel(g.loss_tensor(), e.loss_tensor())
+
+
+def test_cycled_momentum_is_refused_or_followed():
+    from nemo_cudagraph_plugin.core.optim import probe_tensor_hyperparams
+
+    class M(type(make_module())):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            s = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=40)  # cycles beta1
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step"}}
+
+    betas_ok = probe_tensor_hyperparams(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]), torch.device("cuda", 0), False)[1]
+    pl.seed_everything(0, verbose=False)
+    from recipes.gpt import get_config
+
+    if betas_ok:
+        cb = CudaGraphCallback()
+        fit(M(get_config("tiny", n_layer=2, seq_len=256)), [cb], 40)
+        assert cb.stats.recaptures == 0
+    else:
+        with pytest.raises(CaptureError, match="cycle_momentum=False"):
+            fit(M(get_config("tiny", n_layer=2, seq_len=256)), [CudaGraphCallback()], 40)
+    print(f"\nONECYCLE cycle_momentum=True: tensor betas graph-safe on this torch: {betas_ok}")
+
+
+@pytest.mark.parametrize("algo", ["norm", "value"])
+def test_gradient_clipping_in_graph(algo):
+    kw = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": algo}
+    cb, _, g = _graphed(steps=50, **kw)
+    _, e = _eager(steps=50, **kw)
+    _, n = _eager(steps=50)
+    assert cb.stats.replays > 40
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+    assert not torch.equal(g.loss_tensor(), n.loss_tensor()), "clipping had no effect"
+
+
+@pytest.mark.parametrize("acc", [2, 3])
+def test_gradient_accumulation_graph_per_phase(acc):
+    cb, _, g = _graphed(steps=30, accumulate_grad_batches=acc, train_loader=loader(30 * acc))
+    _, e = _eager(steps=30, accumulate_grad_batches=acc, train_loader=loader(30 * acc))
+    assert cb.stats.captures == acc, cb.stats.summary()  # (zero, accumulate), [(no zero, accumulate)], (no zero, step)
+    assert g.global_steps[-1] == e.global_steps[-1] == 30
+    assert torch.equal(g.loss_tensor(), e.loss_tensor()), max_rel(g.loss_tensor(), e.loss_tensor())
+
+
+def test_variable_shapes_one_graph_each_and_cache_limit():
+    lengths = [64, 128, 192]
+    cb, _, g = _graphed(steps=45, train_loader=loader(45, lengths=lengths))
+    _, e = _eager(steps=45, train_loader=loader(45, lengths=lengths))
+    assert cb.stats.captures == 3, cb.stats.summary()
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+    cb2, _, g2 = _graphed(steps=45, cb_kw={"max_graphs": 2}, train_loader=loader(45, lengths=lengths))
+    assert cb2.stats.graphs == 2 and cb2.stats.eager_reasons.get("graph cache full", 0) > 0, cb2.stats.summary()
+    assert torch.equal(g2.loss_tensor(), e.loss_tensor())
+
+
+def test_validation_interleaved_keeps_graphs():
+    vl = loader(4, seed=7)
+    cb, _, g = _graphed(steps=40, val_loader=vl, val_check_interval=10, limit_val_batches=2)
+    _, e = _eager(steps=40, val_loader=vl, val_check_interval=10, limit_val_batches=2)
+    assert cb.stats.captures == 1 and cb.stats.recaptures == 0, cb.stats.summary()
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+
+
+def test_resume_from_checkpoint_equals_eager_resume(tmp_path):
+    """Resume under graphs continues exactly as an eager resume does.
+
+    (With a plain DataLoader, Lightning itself does not continue bit-for-bit like an uninterrupted run
+    when resuming from the checkpoint of a finished epoch: it re-runs one batch. Measured on CPU without
+    this plugin; so the reference here is Lightning's own eager resume, from the same checkpoint.)
+    """
+    from _lightning_utils import Recorder
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer_for(steps, cbs, ckdir):
+        return pl.Trainer(
+            accelerator="gpu", devices=1, max_steps=steps, callbacks=[*cbs, ModelCheckpoint(dirpath=str(ckdir), save_top_k=-1, every_n_epochs=1)],
+            logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        )
+
+    # Checkpoint written by ModelCheckpoint while the graphs (device-tensor lr) are live.
+    trainer_for(15, [CudaGraphCallback()], tmp_path / "a").fit(make_module(), train_dataloaders=loader(15))
+    ckpt = str(next((tmp_path / "a").glob("*.ckpt")))
+    sd = torch.load(ckpt, weights_only=False)
+    assert isinstance(sd["optimizer_states"][0]["param_groups"][0]["lr"], float), "checkpoint not portable"
+    assert sd["optimizer_states"][0]["param_groups"][0]["capturable"] is False
+    cb2, graphed = CudaGraphCallback(), Recorder()
+    trainer_for(40, [cb2, graphed], tmp_path / "b").fit(make_module(seed=123), train_dataloaders=loader(15), ckpt_path=ckpt)
+    eager = Recorder()
+    trainer_for(40, [CapturableEager(), eager], tmp_path / "c").fit(make_module(seed=7), train_dataloaders=loader(15), ckpt_path=ckpt)
+    assert cb2.stats.replays > 10, cb2.stats.summary()
+    assert len(graphed.losses) == len(eager.losses) == 25
+    assert torch.equal(graphed.loss_tensor(), eager.loss_tensor()), max_rel(graphed.loss_tensor(), eager.loss_tensor())
+
+
+def test_reallocated_optimizer_state_is_recaptured():
+    class Swap(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 12:
+                opt = trainer.optimizers[0]
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # replaces every state tensor
+
+    cb = CudaGraphCallback()
+    _, g = fit(make_module(), [cb, Swap()], 25)
+    _, e = fit(make_module(), [CapturableEager(), Swap()], 25)
+    assert cb.stats.recaptures >= 1, cb.stats.summary()
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+
+
+class _Poisoned(type(make_module())):
+    """Adds ``(bad * poison).sum()`` to the loss: only ``bad``'s gradient turns NaN when poisoned."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.bad = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("poison", torch.zeros(4))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + (self.bad * self.poison).sum()
+
+
+class _PoisonAt(pl.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.step:
+            pl_module.poison.fill_(float("nan"))
+        elif batch_idx == self.step + 1:
+            pl_module.poison.zero_()
+
+
+def _poisoned():
+    pl.seed_everything(0, verbose=False)
+    from recipes.gpt import get_config
+
+    return _Poisoned(get_config("tiny", n_layer=2, seq_len=256))
+
+
+def test_nan_guard_names_parameter():
+    cb = CudaGraphCallback(nan_check_every=5)
+    with pytest.raises(NonFiniteError) as ei:
+        fit(_poisoned(), [cb, _PoisonAt(12)], 40)
+    assert ei.value.parameter == "bad", str(ei.value)
+    assert cb.stats.replays > 0
+    print(f"\nNAN GUARD: {ei.value}")
+
+
+def test_nan_guard_skip_mode_keeps_parameters_finite():
+    cb = CudaGraphCallback(nan_check_every=5, nan_action="skip")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer, rec = fit(_poisoned(), [cb, _PoisonAt(12)], 30)
+    module = trainer.lightning_module
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert cb.stats.skipped_steps == 1, cb.stats.summary()
+    assert torch.isfinite(rec.loss_tensor()[14:]).all()
+
+
+class _Bad(type(make_module())):
+    kind = "item"
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.kind == "item":
+            if loss.item() > 1e9:  # LINE-ITEM
+                loss = loss * 0
+        elif self.kind == "cpu":
+            loss = loss * torch.tensor(1.0).to(self.device)  # LINE-CPU
+        elif self.kind == "mask":
+            loss = loss + batch["labels"][batch["labels"] > 1000].float().sum()  # LINE-MASK
+        return loss
+
+
+def _line_of(tag):
+    src = open(__file__).read().splitlines()
+    return next(i + 1 for i, line in enumerate(src) if line.rstrip().endswith("# " + tag))
+
+
+@pytest.mark.parametrize("kind,rule,tag", [("item", "host-sync", "LINE-ITEM"), ("cpu", "cpu-tensor", "LINE-CPU"), ("mask", "dynamic-shape", "LINE-MASK")])
+def test_capture_error_names_user_line(kind, rule, tag):
+    pl.seed_everything(0, verbose=False)
+    from recipes.gpt import get_config
+
+    m = _Bad(get_config("tiny", n_layer=1, seq_len=256))
+    m.kind = kind
+    with pytest.raises(CaptureError) as ei:
+        fit(m, [CudaGraphCallback()], 10)
+    err = ei.value
+    print(f"\nCAPTURE ERROR [{kind}]: {str(err).splitlines()[0]}")
+    assert err.rule == rule, str(err)
+    assert err.location is not None and err.location.endswith(f"test_capture_gpu.py:{_line_of(tag)}"), str(err)
+
+
+def test_on_capture_error_eager_trains_with_one_warning():
+    pl.seed_everything(0, verbose=False)
+    from recipes.gpt import get_config
+
+    m = _Bad(get_config("tiny", n_layer=1, seq_len=256))
+    cb = CudaGraphCallback(on_capture_error="eager")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _, rec = fit(m, [cb], 12)
+    ours = [x for x in w if "CUDA graphs disabled" in str(x.message)]
+    assert len(ours) == 1, [str(x.message) for x in w]
+    assert len(rec.losses) == 12 and cb.stats.replays == 0 and cb.eager_reason
+
+
+def test_verify_steps_passes_on_a_correct_step():
+    cb, _, g = _graphed(steps=20, cb_kw={"verify_steps": 3})
+    _, e = _eager(steps=20)
+    assert cb.stats.verified_steps == 3
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+
+
+def test_disabled_is_plain_eager():
+    cb = CudaGraphCallback(enabled=False)
+    _, g = fit(make_module(), [cb], 20)
+    _, v = _eager(steps=20, capturable=False)
+    assert cb.stats.replays == 0
+    assert torch.equal(g.loss_tensor(), v.loss_tensor())
+
+
+def test_bf16_mixed_parity():
+    cb, _, g = _graphed(steps=40, precision="bf16-mixed")
+    _, e = _eager(steps=40, precision="bf16-mixed")
+    assert cb.stats.replays > 30
+    assert torch.equal(g.loss_tensor(), e.loss_tensor()), max_rel(g.loss_tensor(), e.loss_tensor())
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_sgd_momentum_and_plain_adam(opt_name):
+    if True:
+        class M(type(make_module())):
+            def configure_optimizers(self):
+                if opt_name == "sgd":
+                    return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+                return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def run(cbs):
+            pl.seed_everything(0, verbose=False)
+            from recipes.gpt import get_config
+
+            return fit(M(get_config("tiny", n_layer=2, seq_len=256)), cbs, 30)
+
+        cb = CudaGraphCallback()
+        _, g = run([cb])
+        _, e = run([CapturableEager()])
+        assert cb.stats.replays > 20, (opt_name, cb.stats.summary())
+        assert torch.equal(g.loss_tensor(), e.loss_tensor()), (opt_name, max_rel(g.loss_tensor(), e.loss_tensor()))
+
+
+def test_lbfgs_is_refused_with_a_clear_message():
+    class M(type(make_module())):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(CaptureError, match="LBFGS cannot run inside a CUDA graph"):
+        fit(M(), [CudaGraphCallback()], 3)

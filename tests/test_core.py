@@ -1,0 +1,302 @@
+"""CPU tests of the framework-free core: buffers, cache, config, optimizer prep, errors, NaN guard."""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections import namedtuple
+
+import pytest
+import torch
+
+from nemo_cudagraph_plugin.core import (
+    CaptureConfig,
+    CaptureEngine,
+    GraphCache,
+    NanGuard,
+    NonFiniteError,
+    OptimizerPrep,
+    StaticInputs,
+    check_optimizer_supported,
+    flatten,
+    portable_optimizer_state,
+    signature_of,
+    unflatten,
+)
+from nemo_cudagraph_plugin.core.errors import classify_capture_error, user_location
+
+Pair = namedtuple("Pair", "a b")
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor
+    meta: dict
+    mode: str = "train"
+
+
+def _batch(t=8, mode="train"):
+    return {
+        "x": torch.arange(2 * t).reshape(2, t),
+        "nested": [Pair(torch.ones(3), 5), (torch.zeros(2, dtype=torch.bfloat16), None)],
+        "dc": Batch(torch.arange(4), {"k": torch.full((1,), 2.0)}, mode),
+        "name": "s",
+    }
+
+
+# -- buffers -----------------------------------------------------------------------------------
+def test_flatten_unflatten_round_trip_nested_containers():
+    b = _batch()
+    leaves, spec = flatten(b)
+    assert len(leaves) == 5
+    rebuilt = unflatten(spec, leaves)
+    assert rebuilt["name"] == "s" and isinstance(rebuilt["nested"][0], Pair) and isinstance(rebuilt["dc"], Batch)
+    assert rebuilt["nested"][0].b == 5 and rebuilt["nested"][1][1] is None and rebuilt["dc"].mode == "train"
+    for a, c in zip(flatten(rebuilt)[0], leaves):
+        assert a is c
+
+
+def test_signature_tracks_shape_dtype_and_non_tensor_leaves():
+    sig = lambda b: signature_of(*flatten(b))  # noqa: E731
+    assert sig(_batch()) == sig(_batch())
+    assert sig(_batch(t=8)) != sig(_batch(t=9))  # short last batch / other seq len
+    assert sig(_batch(mode="train")) != sig(_batch(mode="eval"))  # non-tensor leaf compared, never copied
+    b = _batch()
+    b["x"] = b["x"].float()
+    assert sig(b) != sig(_batch())
+    b = _batch()
+    b["x"] = b["x"].t().contiguous().t()  # same shape, other strides
+    assert sig(b) != sig(_batch())
+
+
+def test_static_inputs_copy_in_place_and_keep_addresses():
+    leaves, spec = flatten(_batch())
+    st = StaticInputs(leaves, spec)
+    ptrs = [t.data_ptr() for t in st.leaves]
+    new, _ = flatten({**_batch(), "x": torch.full((2, 8), 7)})
+    st.copy_from(new)
+    assert [t.data_ptr() for t in st.leaves] == ptrs
+    assert torch.equal(st.batch["x"], torch.full((2, 8), 7))
+    assert st.batch["name"] == "s"
+
+
+def test_static_inputs_refuse_wrong_device_and_grad_tensors():
+    with pytest.raises(ValueError, match="is on cpu, but the step is captured on"):
+        StaticInputs([torch.ones(2)], flatten(torch.ones(2))[1], device=torch.device("meta"))
+    with pytest.raises(ValueError, match="requires grad"):
+        StaticInputs([torch.ones(2, requires_grad=True)], flatten(torch.ones(2))[1])
+
+
+def test_engine_needs_cuda_device():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        CaptureEngine(CaptureConfig(), torch.device("cpu"), [])
+
+
+# -- graph cache -------------------------------------------------------------------------------
+def test_graph_cache_lru_order_and_capacity():
+    c: GraphCache[str] = GraphCache(2)
+    c.put("a", "A")
+    c.put("b", "B")
+    assert c.full()
+    assert c.get("a") == "A"  # a is now most recent
+    with pytest.raises(RuntimeError):
+        c.put("c", "C")
+    assert c.evict_lru() == ("b", "B")
+    c.put("c", "C")
+    assert list(c.keys()) == ["a", "c"] and "b" not in c
+
+
+# -- config ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"warmup_steps": 0}, "warmup_steps=0 is invalid"),
+        ({"max_graphs": 0}, "max_graphs"),
+        ({"on_capture_error": "ignore"}, "'raise' or 'eager'"),
+        ({"nan_guard": "grad"}, "nan_guard"),
+        ({"nan_action": "zero"}, "nan_action"),
+        ({"verify_steps": -1}, "verify_steps"),
+        ({"fp8_refresh": "yes"}, "fp8_refresh"),
+    ],
+)
+def test_config_rejects_bad_values_with_what_to_use(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CaptureConfig(**kw)
+
+
+def test_config_nan_modes():
+    assert CaptureConfig().nan_mode == "full"
+    assert CaptureConfig(nan_guard="loss").nan_mode == "loss"
+    assert CaptureConfig(nan_guard=False).nan_mode == "off"
+
+
+# -- optimizer prep ----------------------------------------------------------------------------
+def _adamw(**kw):
+    ps = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}], lr=1e-3, **kw)
+
+
+def test_prep_makes_lr_a_tensor_that_schedulers_update_in_place():
+    opt = _adamw()
+    prep = OptimizerPrep(opt, torch.device("cpu"), tensor_hparams=(True, False))
+    prep.apply()
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and opt.param_groups[0]["capturable"] is True
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
+    sched.step()
+    assert opt.param_groups[0]["lr"] is lr, "scheduler replaced the tensor instead of filling it"
+    assert prep.sync_hyperparams() is None
+    assert float(lr) == pytest.approx(5e-4)
+
+
+def test_prep_copies_a_replaced_float_lr_back_into_the_tensor():
+    opt = _adamw()
+    prep = OptimizerPrep(opt, torch.device("cpu"), tensor_hparams=(True, False))
+    prep.apply()
+    lr = opt.param_groups[1]["lr"]
+    opt.param_groups[1]["lr"] = 0.123  # an old-style scheduler assigning a float
+    assert prep.sync_hyperparams() is None
+    assert opt.param_groups[1]["lr"] is lr and float(lr) == pytest.approx(0.123)
+
+
+def test_prep_reports_a_changed_frozen_scalar():
+    opt = _adamw()
+    prep = OptimizerPrep(opt, torch.device("cpu"), tensor_hparams=(True, False))
+    prep.apply()
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10).step()  # cycles beta1
+    changed = prep.sync_hyperparams()
+    assert changed is not None and "betas" in changed
+    opt.param_groups[0]["weight_decay"] = 0.5
+    prep.freeze_scalars()
+    assert prep.sync_hyperparams() is None
+
+
+def test_prep_restore_and_reapply_keep_user_settings():
+    opt = _adamw()
+    prep = OptimizerPrep(opt, torch.device("cpu"), tensor_hparams=(True, False))
+    prep.apply()
+    prep.apply()  # e.g. after load_state_dict
+    prep.restore()
+    g = opt.param_groups[0]
+    assert g["capturable"] is False and isinstance(g["lr"], float) and g["lr"] == pytest.approx(1e-3)
+
+
+def test_prep_sgd_uses_fused_kernel_and_skip_mode_needs_fused_family():
+    ps = [torch.nn.Parameter(torch.ones(3))]
+    sgd = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    OptimizerPrep(sgd, torch.device("cpu"), tensor_hparams=(True, False)).apply()
+    assert sgd.param_groups[0]["fused"] is True and isinstance(sgd.param_groups[0]["lr"], torch.Tensor)
+    rms = torch.optim.RMSprop(ps, lr=0.1)
+    with pytest.raises(TypeError, match="nan_action='skip' needs"):
+        OptimizerPrep(rms, torch.device("cpu"), skip_nonfinite=True, tensor_hparams=(True, False)).apply()
+    skip = _adamw()
+    p = OptimizerPrep(skip, torch.device("cpu"), skip_nonfinite=True, tensor_hparams=(True, False))
+    p.apply()
+    assert skip.found_inf is p.found_inf and skip.found_inf.shape == () and skip.param_groups[0]["fused"] is True
+
+
+def test_unsupported_optimizers_are_named_with_an_alternative():
+    ps = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(TypeError, match="LBFGS cannot run inside a CUDA graph.*AdamW"):
+        check_optimizer_supported(torch.optim.LBFGS(ps))
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+    with pytest.raises(TypeError, match="Custom has no `capturable` option"):
+        check_optimizer_supported(Custom(ps))
+
+
+def test_portable_checkpoint_state_has_floats_and_original_flags():
+    opt = _adamw()
+    prep = OptimizerPrep(opt, torch.device("cpu"), tensor_hparams=(True, False))
+    prep.apply()
+    sd = portable_optimizer_state(opt.state_dict(), prep._saved)
+    assert isinstance(sd["param_groups"][0]["lr"], float) and sd["param_groups"][0]["capturable"] is False
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor), "live optimizer must keep its tensor lr"
+    fresh = _adamw()
+    fresh.load_state_dict(sd)
+    assert fresh.param_groups[0]["capturable"] is False
+
+
+# -- errors ------------------------------------------------------------------------------------
+def _raise_sync_item():
+    raise RuntimeError("called a synchronizing CUDA operation")  # loss.item() in user code
+
+
+def _raise_sync_to():
+    raise RuntimeError("called a synchronizing CUDA operation")  # torch.tensor(1.0).to(device)
+
+
+def _raise_sync_mask():
+    raise RuntimeError("called a synchronizing CUDA operation")  # y = x[x > 0]
+
+
+def _raise_other():
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")  # print(loss)
+
+
+@pytest.mark.parametrize(
+    "fn,rule",
+    [(_raise_sync_item, "host-sync"), (_raise_sync_to, "cpu-tensor"), (_raise_sync_mask, "dynamic-shape"), (_raise_other, "host-sync")],
+)
+def test_capture_errors_are_classified_from_the_user_line(fn, rule):
+    try:
+        fn()
+    except RuntimeError as exc:
+        assert classify_capture_error(exc) == rule
+        loc = user_location(exc.__traceback__)
+        line = traceback.extract_tb(exc.__traceback__)[-1].lineno
+        assert loc is not None and loc.endswith(f"test_core.py:{line}")
+
+
+def test_user_location_skips_library_frames():
+    try:
+        torch.ones(2).view(3)
+    except RuntimeError as exc:
+        loc = user_location(exc.__traceback__)
+        assert loc is not None and "test_core.py" in loc and "torch" not in loc.split(":")[0].split("/")[-1]
+
+
+# -- NaN guard ---------------------------------------------------------------------------------
+def test_nan_guard_names_first_bad_parameter_and_resets():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    g = NanGuard([("a", a), ("b", b)], torch.device("cpu"), "full")
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    g.observe_loss(torch.tensor(1.0))
+    g.observe_grads()
+    assert g.check() is None
+    b.grad = torch.tensor([1.0, float("inf")])
+    g.observe_loss(torch.tensor(2.0))
+    g.observe_grads()
+    with pytest.raises(NonFiniteError) as ei:
+        g.check(window="in steps 1..2")
+    assert ei.value.parameter == "b" and "in steps 1..2" in str(ei.value)
+
+
+def test_nan_guard_loss_mode_and_skip_flag():
+    a = torch.nn.Parameter(torch.ones(2))
+    g = NanGuard([("a", a)], torch.device("cpu"), "loss")
+    g.observe_loss(torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteError, match="non-finite loss") as ei:
+        g.check()
+    assert ei.value.parameter is None
+    found = torch.zeros(())
+    a.grad = torch.tensor([float("nan"), 0.0])
+    g.reset()
+    g.observe_grads(found_inf=found)  # skip mode observes even in "loss" mode
+    assert float(found) == 1.0 and g.skipped_steps() == 1
+    report = g.check(raise_on_bad=False)
+    assert report is not None and "'a'" in report
+    assert g.check(raise_on_bad=False) is None  # cleared
+
+
+def test_nan_guard_partial_gradients_use_index_plan():
+    a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    g = NanGuard([("a", a), ("b", b), ("c", c)], torch.device("cpu"), "full")
+    c.grad = torch.tensor([float("nan"), 1.0])  # a and b unused this step
+    g.observe_grads()
+    with pytest.raises(NonFiniteError) as ei:
+        g.check()
+    assert ei.value.parameter == "c"
