@@ -236,9 +236,9 @@ class CaptureEngine:
         s.wait_stream(cur)
         restore = self.host_state() if sync_check else None
         backup = None
-        if sync_check:
-            # A sync error can stop the step half-way (after backward, say); keep the gradients so a
-            # fallback to eager does not accumulate them twice.
+        if sync_check and self.config.on_capture_error == "eager":
+            # A sync error can stop the step half-way (after backward, say); keep the gradients so the
+            # eager fallback does not accumulate them twice. Only then: it costs one gradient copy.
             backup = [(p, None if p.grad is None else p.grad.clone()) for _, p in self.named_params]
         try:
             with torch.cuda.stream(s):
