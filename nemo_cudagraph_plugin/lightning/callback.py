@@ -1,7 +1,5 @@
 """``CudaGraphCallback``: whole-step CUDA graphs for an unmodified LightningModule."""
 
-from __future__ import annotations
-
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl

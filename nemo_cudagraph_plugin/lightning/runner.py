@@ -40,6 +40,11 @@ _REFUSED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's engine owns the optimizer step and synchronises with the host",
     "ModelParallelStrategy": "DTensor/FSDP2 collectives and re-sharding are not captured by this plugin",
     "XLAStrategy": "CUDA graphs need a CUDA device",
+    "MegatronStrategy": (
+        "NeMo's MegatronStrategy drives the step with Megatron's pipeline schedules (a dataloader_iter training step), "
+        "not Lightning's closure; use nemo_cudagraph_plugin.nemo.with_cuda_graph(recipe), which turns on "
+        "Megatron-core's own CUDA graphs and keeps our FP8 transpose care"
+    ),
 }
 
 

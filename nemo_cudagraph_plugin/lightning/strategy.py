@@ -18,8 +18,6 @@ and user code still see a ``DDPStrategy``/``SingleDeviceStrategy``) mixed with t
 Refused with a reason: FSDP, DeepSpeed, ModelParallel, XLA.
 """
 
-from __future__ import annotations
-
 import os
 from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
@@ -58,7 +56,7 @@ class CudaGraphStrategy(Strategy):
     _cg_config: CaptureConfig
     stats: CaptureStats
 
-    def __new__(cls, inner: Union[None, str, Strategy] = None, **options: Any) -> CudaGraphStrategy:
+    def __new__(cls, inner: Union[None, str, Strategy] = None, **options: Any) -> "CudaGraphStrategy":
         if cls is not CudaGraphStrategy:  # a concrete mixed class being instantiated by copy/pickle
             return super().__new__(cls)
         base = _resolve_inner(inner)

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# The one script every CI stage runs: the Jenkinsfile's stages and .ci/run call exactly these commands.
+#
+#   ci/stages.sh lint          ruff on the package, recipes, tests, benchmarks and ci/
+#   ci/stages.sh unit          CPU tests (not gpu, not nemo) in .venv          -> build/reports/unit.xml
+#   ci/stages.sh nemo          NeMo 2.7.3 recipe tests in .venv-nemo           -> build/reports/nemo.xml
+#   ci/stages.sh gpu           tests/gpu on a CUDA machine                      -> build/reports/gpu.xml
+#   ci/stages.sh convergence   eager vs graphed loss curves of the small recipe -> build/convergence/
+#   ci/stages.sh bench         benchmarks/step_time.py                          -> benchmarks/results/*.json
+#   ci/stages.sh --list        the stage names, one a line
+#
+# Every stage fails (non-zero exit) on: a failed install, a failed test, and pytest's exit 5 (no test ran).
+# Environment: PYTHON (interpreter that creates the venvs, default python3), REPORTS_DIR (default
+# build/reports), CONVERGENCE_STEPS (default 200), CONVERGENCE_RTOL / CONVERGENCE_ATOL (see
+# ci/check_convergence.py), BENCH_ARGS (extra arguments of benchmarks/step_time.py), NO_VENV=1 (gpu,
+# convergence, bench: use $PYTHON as it is, with the package and its test deps already installed, e.g. on a
+# GPU machine without network; nothing is installed).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+STAGES=(lint unit nemo gpu convergence bench)
+PYTHON="${PYTHON:-python3}"
+REPORTS_DIR="${REPORTS_DIR:-$ROOT/build/reports}"
+TORCH_PIN="torch==2.13.0"
+# Measured: NeMo 2.7.3's LLM recipes install and build as configs on a CPU machine with exactly these pins
+# (NeMo 2.7.3 pins lightning 2.4.0; without nvidia-modelopt the recipes are silently missing; nemo-run
+# 0.11.1 imports only with leptonai 0.27.3).
+NEMO_PINS=("$TORCH_PIN" "nemo-toolkit[lightning]==2.7.3" "megatron-core==0.16.1" "leptonai==0.27.3" nemo_run
+           einops sentencepiece pandas datasets "huggingface-hub<1.0" "tiktoken==0.7.0" "tensorstore<0.1.72"
+           "nvidia-modelopt==0.37.0" "anyio<=4.9.0")
+
+say() { printf '[ci/stages.sh %s] %s\n' "${STAGE:-?}" "$*"; }
+
+# make_venv DIR: create DIR with $PYTHON -m venv unless it already holds a python.
+make_venv() {
+    if [ ! -x "$1/bin/python" ]; then
+        say "creating $1 with $($PYTHON --version 2>&1)"
+        "$PYTHON" -m venv "$1"
+    fi
+}
+
+# run_pytest NAME PYTHON ARGS...: pytest with JUnit XML; exit 5 (no test ran) is a failure.
+run_pytest() {
+    local name="$1" py="$2"
+    shift 2
+    mkdir -p "$REPORTS_DIR"
+    local rc=0
+    "$py" -m pytest "$@" -rfEs --junitxml="$REPORTS_DIR/$name.xml" -o junit_suite_name="$name" || rc=$?
+    if [ "$rc" -eq 5 ]; then
+        say "FAIL: pytest collected no test for stage '$name' (exit 5); a stage that runs nothing is not green"
+        return 1
+    fi
+    return "$rc"
+}
+
+# unit_venv: sets PY to .venv's python, with torch 2.13.0 (taken first, so that nothing pulls another
+# build: the CPU build where one lies on disk) and the package with its test extra.
+unit_venv() {
+    if [ "${NO_VENV:-0}" = 1 ] && [ "$STAGE" != unit ]; then
+        PY="$(command -v "$PYTHON")"
+        say "NO_VENV=1: using $PY as it is ($("$PY" --version 2>&1)); installing nothing"
+        return 0
+    fi
+    make_venv .venv
+    PY=.venv/bin/python
+    "$PY" -m pip install --quiet "$TORCH_PIN"
+    "$PY" -m pip install --quiet -e ".[test]"
+}
+
+stage_lint() {
+    make_venv .venv
+    .venv/bin/python -m pip install --quiet ruff
+    local paths=()
+    for p in nemo_cudagraph_plugin recipes tests benchmarks ci; do
+        [ -e "$p" ] && paths+=("$p")
+    done
+    say "ruff $(.venv/bin/ruff --version) on ${paths[*]}"
+    .venv/bin/ruff check "${paths[@]}"
+}
+
+stage_unit() {
+    unit_venv
+    run_pytest unit "$PY" -m "not gpu and not nemo"
+}
+
+stage_nemo() {
+    make_venv .venv-nemo
+    say "installing NeMo 2.7.3 + megatron-core 0.16.1 into .venv-nemo (about 200 s, 2.5 GB on a new machine)"
+    # No fallback: if this install fails (no network, a pin gone), the stage fails.
+    .venv-nemo/bin/python -m pip install --quiet "${NEMO_PINS[@]}" pytest -e .
+    .venv-nemo/bin/python - <<'PY'
+import importlib.metadata as md
+for name in ("nemo-toolkit", "megatron-core", "nemo-run", "lightning", "torch"):
+    print(f"[ci/stages.sh nemo] {name}=={md.version(name)}")
+from nemo.collections import llm  # noqa: F401  (fails the stage here, not as a skip, if NeMo is broken)
+assert hasattr(llm, "llama3_8b"), "nemo.collections.llm has no llama3_8b recipe (is nvidia-modelopt installed?)"
+PY
+    # NCG_REQUIRE_NEMO=1: the NeMo tests fail instead of skipping when NeMo cannot be imported.
+    NCG_REQUIRE_NEMO=1 run_pytest nemo .venv-nemo/bin/python -m nemo
+}
+
+stage_gpu() {
+    unit_venv
+    "$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('[ci/stages.sh gpu] torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if ok else 'NO GPU'); sys.exit(0 if ok else 'the gpu stage needs a CUDA device (agent label gpu)')"
+    run_pytest gpu "$PY" -m gpu tests/gpu
+}
+
+stage_convergence() {
+    unit_venv
+    local out="$ROOT/build/convergence"
+    rm -rf "$out"
+    "$PY" -m recipes.gpt_pretrain --preset small --compare --steps "${CONVERGENCE_STEPS:-200}" \
+        --out "$out"
+    "$PY" ci/check_convergence.py "$out/results.json" \
+        --rtol "${CONVERGENCE_RTOL:-0.02}" --atol "${CONVERGENCE_ATOL:-0.02}" --summary "$out/convergence.json"
+}
+
+stage_bench() {
+    unit_venv
+    mkdir -p benchmarks/results
+    local marker="$ROOT/build/bench.start"
+    mkdir -p "$(dirname "$marker")" && touch "$marker"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
+    "$PY" benchmarks/step_time.py ${BENCH_ARGS:-}
+    local new
+    new="$(find benchmarks/results -maxdepth 1 -name '*.json' -newer "$marker" | sort)"
+    if [ -z "$new" ]; then
+        say "FAIL: benchmarks/step_time.py wrote no benchmarks/results/*.json"
+        return 1
+    fi
+    say "results to archive:"
+    printf '  %s\n' $new
+}
+
+main() {
+    if [ "$#" -ne 1 ]; then
+        echo "usage: ci/stages.sh {$(IFS='|'; echo "${STAGES[*]}")|--list}" >&2
+        return 2
+    fi
+    case "$1" in
+        --list) printf '%s\n' "${STAGES[@]}"; return 0 ;;
+        lint | unit | nemo | gpu | convergence | bench) ;;
+        *)
+            echo "ci/stages.sh: unknown stage '$1'; stages: ${STAGES[*]}" >&2
+            return 2
+            ;;
+    esac
+    STAGE="$1"
+    STAGE_START=$SECONDS
+    trap 'rc=$?; [ "$rc" -eq 0 ] || say "FAILED (exit $rc) after $((SECONDS - STAGE_START)) s"' EXIT
+    say "start"
+    "stage_$1"
+    say "passed in $((SECONDS - STAGE_START)) s"
+}
+
+# Sourcing the script (tests do) defines the functions without running a stage.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main "$@"
+fi
