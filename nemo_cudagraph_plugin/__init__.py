@@ -13,13 +13,14 @@ from typing import Any
 
 from .core.config import CaptureConfig, CaptureStats
 from .core.errors import CaptureError, NonFiniteError, ParityError
-from .lightning.callback import CudaGraphCallback
-from .lightning.strategy import CudaGraphStrategy
 
 __version__ = "0.1.0"
 
-# Names resolved lazily so that importing the package never imports TransformerEngine.
+# Names resolved lazily: importing the package (e.g. for the Megatron-core hooks) imports neither
+# Lightning nor TransformerEngine until one of these is used.
 _LAZY = {
+    "CudaGraphCallback": "nemo_cudagraph_plugin.lightning.callback",
+    "CudaGraphStrategy": "nemo_cudagraph_plugin.lightning.strategy",
     "refresh_fp8_transposes": "nemo_cudagraph_plugin.fp8",
     "verify_fp8_transposes": "nemo_cudagraph_plugin.fp8",
     "install_fp8_refresh": "nemo_cudagraph_plugin.fp8",
@@ -44,8 +45,6 @@ __all__ = [
     "CaptureConfig",
     "CaptureError",
     "CaptureStats",
-    "CudaGraphCallback",
-    "CudaGraphStrategy",
     "NonFiniteError",
     "ParityError",
     "__version__",

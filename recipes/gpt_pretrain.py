@@ -339,7 +339,8 @@ def run_training(args: argparse.Namespace, *, cuda_graph: bool, mode: str) -> Ru
             callbacks.append(callback)
         if graph_strategy is not None:
             strategy = graph_strategy
-    if args.fp8:
+    if args.fp8 and not cuda_graph:
+        # Graphed runs: CudaGraphCallback/Strategy(fp8_refresh="auto") already refreshes after each step.
         callbacks.append(make_fp8_callback())
     if args.log_every:
         callbacks.append(TQDMProgressBar(refresh_rate=args.log_every))

@@ -300,3 +300,9 @@ def test_nan_guard_partial_gradients_use_index_plan():
     with pytest.raises(NonFiniteError) as ei:
         g.check()
     assert ei.value.parameter == "c"
+
+
+def test_align_pp_transposes_requires_the_fp8_refresh():
+    assert CaptureConfig(align_pp_transposes=True).fp8_refresh is True
+    with pytest.raises(ValueError, match="align_pp_transposes=True needs the FP8 refresh"):
+        CaptureConfig(align_pp_transposes=True, fp8_refresh=False)

@@ -40,6 +40,10 @@ class CaptureConfig:
         fp8_refresh: ``"auto"`` refreshes FP8 weight transposes after every optimizer step when
             the model has TransformerEngine ``Float8Tensor`` parameters; ``True`` requires them;
             ``False`` never.
+        align_pp_transposes: pipeline-parallel training with FP8 primary weights: refresh every FP8
+            transpose of every model chunk on every rank right after the optimizer step (captured into
+            the step graph), so no stage computes one inside its first microbatch. Implies
+            ``fp8_refresh=True``. For Megatron-core loops use ``nemo_cudagraph_plugin.megatron``.
     """
 
     enabled: bool = True
@@ -54,6 +58,7 @@ class CaptureConfig:
     verify_rtol: float = 0.0
     sync_check: bool = True
     fp8_refresh: Union[bool, Literal["auto"]] = "auto"
+    align_pp_transposes: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, want: str) -> ValueError:
@@ -83,6 +88,10 @@ class CaptureConfig:
             raise bad("verify_rtol", self.verify_rtol, "use a float >= 0")
         if self.fp8_refresh not in (True, False, "auto"):
             raise bad("fp8_refresh", self.fp8_refresh, "use True, False or 'auto'")
+        if self.align_pp_transposes:
+            if self.fp8_refresh is False:
+                raise bad("fp8_refresh", False, "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
+            self.fp8_refresh = True
 
     @property
     def nan_mode(self) -> str:

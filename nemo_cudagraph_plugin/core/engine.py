@@ -27,6 +27,7 @@ what it needs after each replay (``after_replay``). Hazards covered here:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -105,6 +106,10 @@ class CaptureEngine:
         self.guards: list[Guard] = []
         self.after_replay: Optional[Callable[[GraphEntry], None]] = None
         self.on_capture: Optional[Callable[[GraphEntry], None]] = None
+        # Adapters add hazard checks: context managers entered around each capture (they may raise
+        # CaptureError on exit) and checks run right after it; both see Python only, never a replay.
+        self.capture_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        self.post_capture_checks: list[Callable[[], None]] = []
         self.disabled_reason: Optional[str] = None
         self.dirty = False
         self._pool: Optional[tuple] = None
@@ -278,8 +283,16 @@ class CaptureEngine:
         before = self._state_ptrs()
         restore = self.host_state()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream(), capture_error_mode="thread_local"):
-                out = fn(inputs.batch)
+            with contextlib.ExitStack() as checks:
+                for make in self.capture_contexts:
+                    checks.enter_context(make())
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream(), capture_error_mode="thread_local"):
+                    out = fn(inputs.batch)
+            for check in self.post_capture_checks:
+                check()
+        except CaptureError as err:  # a hazard check refused this capture
+            restore()
+            return self._handle_capture_error(err, err, fn, batch)
         except Exception as exc:  # noqa: BLE001
             original = _root_cause(exc)
             restore()

@@ -56,6 +56,7 @@ class CudaGraphCallback(Callback):
         verify_rtol: float = 0.0,
         sync_check: bool = True,
         fp8_refresh: Union[bool, Literal["auto"]] = "auto",
+        align_pp_transposes: bool = False,
     ) -> None:
         self.config = CaptureConfig(
             enabled=enabled,
@@ -70,6 +71,7 @@ class CudaGraphCallback(Callback):
             verify_rtol=verify_rtol,
             sync_check=sync_check,
             fp8_refresh=fp8_refresh,
+            align_pp_transposes=align_pp_transposes,
         )
         self.stats = CaptureStats()
         self._runner = LightningStepRunner(self.config, self.stats)

@@ -207,6 +207,18 @@ class LightningStepRunner:
                 )
             return
         self._fp8_handle = install_fp8_refresh(optimizer, pl_module)
+        # TransformerEngine's other graph hazards (see nemo_cudagraph_plugin.fp8.hazards): the RNG
+        # tracker's generators advance per replay, a frozen is_first_microbatch=False is refused, and
+        # modules whose delayed-scaling amax would never update are refused.
+        from ..fp8.hazards import (
+            FirstMicrobatchCheck,
+            check_delayed_scaling_registered,
+            register_rng_generators,
+        )
+
+        register_rng_generators(self.generators)
+        self.engine.capture_contexts.append(lambda: FirstMicrobatchCheck(pl_module))
+        self.engine.post_capture_checks.append(lambda: check_delayed_scaling_registered(pl_module))
 
     def unbind(self) -> None:
         """Undo everything :meth:`bind` changed (also after an exception)."""

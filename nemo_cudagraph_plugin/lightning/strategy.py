@@ -84,6 +84,7 @@ class CudaGraphStrategy(Strategy):
         verify_rtol: float = 0.0,
         sync_check: bool = True,
         fp8_refresh: Union[bool, Literal["auto"]] = "auto",
+        align_pp_transposes: bool = False,
     ) -> None:
         is_ddp = isinstance(self, DDPStrategy)
         if is_ddp:
@@ -107,6 +108,7 @@ class CudaGraphStrategy(Strategy):
             verify_rtol=verify_rtol,
             sync_check=sync_check,
             fp8_refresh=fp8_refresh,
+            align_pp_transposes=align_pp_transposes,
         )
         self.stats = CaptureStats()
         self._cg_runner = LightningStepRunner(self._cg_config, self.stats)

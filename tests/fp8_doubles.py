@@ -1,0 +1,416 @@
+"""CPU test doubles of TransformerEngine ``Float8Tensor`` transpose-cache semantics, per API generation.
+
+Each double is a ``torch.nn.Parameter`` subclass (so modules, optimizers and
+``named_parameters()`` see it like a real TE FP8 parameter) carrying TE's private layout:
+``_data`` (uint8 ``[*M, N]``, the FP8 bytes), ``_transpose`` (uint8 ``[N, *M]`` or ``None``) and
+``_transpose_invalid``. Method names, signatures and behaviour follow TE's source:
+
+===========  =====================================================================================
+generation   methods (what they do)
+===========  =====================================================================================
+``te1.6``    TE 1.6-1.7. ``_reset_caches()`` marks invalid. ``transpose_2d(*, cache=False,
+             noop_flag=None)``: ``cache=False`` returns a fresh, uncached transpose; ``cache=True``
+             returns the cache without computing if it is valid, else recomputes *into the
+             existing buffer* (allocating only if there is none) and marks it valid.
+``te1.8``    TE 1.8-1.14. ``_reset_caches()`` marks invalid. ``transpose_2d(*, force_compute=False,
+             fill_cache=False, noop_flag=None, cache=None)``: computes when forced, when the cache is
+             missing or invalid, or with a noop flag; into the existing buffer; ``fill_cache`` keeps it.
+``te2``      TE 2.x. ``_reset_caches()`` marks invalid (column-wise-only tensors - no ``_data`` - stay
+             valid). ``_create_transpose()`` recomputes in place, allocates when there is no buffer,
+             does nothing without ``_data``. ``update_usage(...)`` mimics Hopper: builds a missing
+             or invalid transpose when column-wise usage is requested, drops it when not needed.
+===========  =====================================================================================
+
+So "marks invalid" (``_reset_caches``) and "recomputes in place" (the refresh methods) are
+separate, as in TE, and a simulated graph (:func:`graph_read`) reads the buffer whatever the
+flag says, while :func:`eager_read` does what eager TE does before a backward GEMM.
+
+Recording when a transpose was computed: give the doubles one shared :class:`TransposeLog`.
+Every reset, compute, allocation, cache hit, drop and simulated optimizer write appends a
+:class:`TransposeEvent` with a global sequence number; ``log.mark("label")`` interleaves your own
+markers (e.g. microbatch boundaries). Example::
+
+    from fp8_doubles import TransposeLog, make_fp8_param, write_fp8_bytes
+
+    log = TransposeLog()
+    w = make_fp8_param("te2", (8, 4), fp8_name="w0", log=log)
+    write_fp8_bytes(w, seed=1)              # 'write' then 'reset'
+    log.mark("step")
+    w._create_transpose()                   # 'compute'
+    assert log.seqs("compute", "w0")[-1] > log.seqs("mark", "step")[-1]
+
+(``tests/`` is on ``sys.path`` under pytest's default import mode, so ``from fp8_doubles import ...``
+works from any test module below ``tests/``.)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GENERATIONS",
+    "DOUBLE_CLASSES",
+    "TE15Float8Double",
+    "TE16Float8Double",
+    "TE18Float8Double",
+    "TE2Float8Double",
+    "TransposeEvent",
+    "TransposeLog",
+    "WritingOptimizer",
+    "eager_read",
+    "expected_transpose",
+    "graph_read",
+    "make_fp8_module",
+    "make_fp8_param",
+    "transpose_is_current",
+    "write_fp8_bytes",
+]
+
+GENERATIONS = ("te1.6", "te1.8", "te2")
+
+
+@dataclass(frozen=True)
+class TransposeEvent:
+    """One recorded event.
+
+    Attributes:
+        seq: global order within the log.
+        tensor: the double's ``fp8_name`` (or the label of a ``mark``).
+        kind: ``"reset"``, ``"compute"`` (transpose written into a cached buffer),
+            ``"compute-uncached"`` (a transpose returned without caching), ``"alloc"`` (new buffer),
+            ``"cache-hit"`` (cached transpose returned without computing), ``"drop"`` (buffer
+            released), ``"write"`` (FP8 bytes overwritten in place) or ``"mark"``.
+        ptr: ``data_ptr()`` of the transpose buffer involved, when there is one.
+    """
+
+    seq: int
+    tensor: str
+    kind: str
+    ptr: Optional[int] = None
+
+
+class TransposeLog:
+    """Ordered record of transpose-cache events of one or more doubles."""
+
+    def __init__(self) -> None:
+        self.events: list[TransposeEvent] = []
+        self._counter = itertools.count()
+
+    def record(self, tensor: str, kind: str, ptr: Optional[int] = None) -> TransposeEvent:
+        ev = TransposeEvent(next(self._counter), tensor, kind, ptr)
+        self.events.append(ev)
+        return ev
+
+    def mark(self, label: str) -> TransposeEvent:
+        """Add a user marker (``kind == "mark"``, ``tensor == label``)."""
+        return self.record(label, "mark")
+
+    def select(self, kind: Optional[str] = None, tensor: Optional[str] = None) -> list[TransposeEvent]:
+        return [
+            e
+            for e in self.events
+            if (kind is None or e.kind == kind) and (tensor is None or e.tensor == tensor)
+        ]
+
+    def kinds(self, tensor: Optional[str] = None) -> list[str]:
+        """Event kinds in order (optionally of one tensor)."""
+        return [e.kind for e in self.select(tensor=tensor)]
+
+    def seqs(self, kind: str, tensor: Optional[str] = None) -> list[int]:
+        """Sequence numbers of the events of ``kind`` (optionally of one tensor)."""
+        return [e.seq for e in self.select(kind, tensor)]
+
+    def count(self, kind: str, tensor: Optional[str] = None) -> int:
+        return len(self.select(kind, tensor))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+class _Fp8Double(torch.nn.Parameter):
+    """Common state of the doubles (not itself FP8-like: it has no ``_reset_caches``)."""
+
+    generation: str = ""
+
+    @classmethod
+    def create(
+        cls,
+        shape: Sequence[int] = (8, 4),
+        *,
+        fp8_name: str = "w",
+        log: Optional[TransposeLog] = None,
+        seed: int = 0,
+        with_transpose: bool = True,
+        rowwise: bool = True,
+        realloc_on_refresh: bool = False,
+        requires_grad: bool = True,
+        data_dtype: torch.dtype = torch.uint8,
+    ) -> _Fp8Double:
+        shape = tuple(shape)
+        self = cls.__new__(cls, torch.zeros(shape), requires_grad)
+        self.fp8_name = fp8_name
+        self.fp8_log = log if log is not None else TransposeLog()
+        self.realloc_on_refresh = realloc_on_refresh
+        g = torch.Generator().manual_seed(seed)
+        data = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        self._data = data.view(data_dtype) if data_dtype != torch.uint8 else data
+        self._transpose = None
+        self._transpose_invalid = True
+        if with_transpose:
+            buf = torch.empty(_t_shape(shape), dtype=torch.uint8)
+            _fill_transpose(self._data, buf)
+            self._transpose = buf
+            self._transpose_invalid = False
+        if not rowwise:  # column-wise-only storage: the transpose is the primary copy
+            if self._transpose is None:
+                raise ValueError("a column-wise-only double needs with_transpose=True")
+            self._data = None
+        return self
+
+    # -- helpers shared by the generations --------------------------------------------------
+
+    def _log(self, kind: str, ptr: Optional[int] = None) -> None:
+        self.fp8_log.record(self.fp8_name, kind, ptr)
+
+    def _alloc(self) -> Tensor:
+        buf = torch.empty(_t_shape(tuple(self._data.shape)), dtype=torch.uint8)
+        self._log("alloc", buf.data_ptr())
+        return buf
+
+    def _compute_into(self, out: Tensor) -> Tensor:
+        _fill_transpose(self._data, out)
+        self._log("compute", out.data_ptr())
+        return out
+
+    def _mark_invalid(self) -> None:
+        self._log("reset", None if self._transpose is None else self._transpose.data_ptr())
+        self._transpose_invalid = True
+
+
+def _t_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[-1], *shape[:-1]) if shape else ()
+
+
+def _fill_transpose(data: Tensor, out: Tensor) -> None:
+    n = data.shape[-1]
+    src = data.view(torch.uint8) if data.dtype != torch.uint8 else data
+    out.copy_(src.reshape(-1, n).t().reshape(out.shape))
+
+
+class TE16Float8Double(_Fp8Double):
+    """TE 1.6-1.7 ``Float8Tensor``: ``transpose_2d(cache=...)``."""
+
+    generation = "te1.6"
+
+    def _reset_caches(self) -> None:
+        self._mark_invalid()
+
+    def transpose_2d(self, *, cache: bool = False, noop_flag: Optional[Tensor] = None) -> Tensor:
+        assert self._data.dim() == 2, f"{self._data.dim()}-D transpose not supported."
+        if not cache:
+            out = torch.empty(_t_shape(tuple(self._data.shape)), dtype=torch.uint8)
+            _fill_transpose(self._data, out)
+            self._log("compute-uncached", out.data_ptr())
+            return out
+        if not self._transpose_invalid and noop_flag is None:
+            assert self._transpose is not None, "Tranpose cache is empty."
+            self._log("cache-hit", self._transpose.data_ptr())
+            return self._transpose
+        if self._transpose is None or self.realloc_on_refresh:
+            self._transpose = self._alloc()
+        self._compute_into(self._transpose)
+        self._transpose_invalid = False
+        return self._transpose
+
+
+class TE18Float8Double(_Fp8Double):
+    """TE 1.8-1.14 ``Float8Tensor``: ``transpose_2d(force_compute=..., fill_cache=...)``."""
+
+    generation = "te1.8"
+
+    def _reset_caches(self) -> None:
+        self._mark_invalid()
+
+    def transpose_2d(
+        self,
+        *,
+        force_compute: bool = False,
+        fill_cache: bool = False,
+        noop_flag: Optional[Tensor] = None,
+        cache: Optional[bool] = None,
+    ) -> Tensor:
+        if cache is not None:  # deprecated kwarg, mapped as TE does
+            force_compute, fill_cache = (False, True) if cache else (True, False)
+        need = force_compute or self._transpose is None or self._transpose_invalid or noop_flag is not None
+        if not need:
+            self._log("cache-hit", self._transpose.data_ptr())
+            return self._transpose
+        out = self._transpose
+        if out is None or self.realloc_on_refresh:
+            out = self._alloc()
+        else:
+            self._transpose_invalid = False
+        self._compute_into(out)
+        if fill_cache:
+            self._transpose = out
+            self._transpose_invalid = False
+        return out
+
+
+class TE2Float8Double(_Fp8Double):
+    """TE 2.x ``Float8Tensor``: ``_create_transpose()`` and ``update_usage(...)`` (Hopper behaviour)."""
+
+    generation = "te2"
+
+    def _reset_caches(self) -> None:
+        if self._data is None and self._transpose is not None:
+            self._log("reset")
+            self._transpose_invalid = False  # column-wise-only: the transpose is primary storage
+            return
+        self._mark_invalid()
+
+    def _create_transpose(self) -> None:
+        if self._data is None:
+            return
+        if self._transpose is None or self.realloc_on_refresh:
+            self._transpose = self._alloc()
+        self._compute_into(self._transpose)
+        self._transpose_invalid = False
+
+    def update_usage(
+        self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
+    ) -> None:
+        has_t = self._transpose is not None and not self._transpose_invalid
+        need_t = has_t if columnwise_usage is None else columnwise_usage
+        if need_t and not has_t:
+            if self._data is None:
+                raise RuntimeError("FP8 data is required to generate FP8 data transpose")
+            self._create_transpose()
+        if not need_t and self._transpose is not None:
+            self._log("drop", self._transpose.data_ptr())
+            self._transpose = None
+            self._transpose_invalid = True
+
+
+class TE15Float8Double(_Fp8Double):
+    """TE <= 1.5 shape: a transpose cache but no in-place refresh API (must be refused)."""
+
+    generation = "te1.5"
+
+    def _reset_caches(self) -> None:
+        self._mark_invalid()
+
+
+DOUBLE_CLASSES: dict[str, type[_Fp8Double]] = {
+    "te1.5": TE15Float8Double,
+    "te1.6": TE16Float8Double,
+    "te1.8": TE18Float8Double,
+    "te2": TE2Float8Double,
+}
+
+
+def make_fp8_param(generation: str, shape: Sequence[int] = (8, 4), **kwargs: Any) -> _Fp8Double:
+    """A double of ``generation`` (``"te1.6"``, ``"te1.8"``, ``"te2"``; ``"te1.5"`` for refusal tests).
+
+    Keyword arguments: ``fp8_name``, ``log`` (a shared :class:`TransposeLog`), ``seed`` (FP8 bytes),
+    ``with_transpose`` (start with a valid cached transpose), ``rowwise`` (``False``: TE 2.x
+    column-wise-only storage), ``realloc_on_refresh`` (a hypothetical TE whose refresh allocates a
+    new buffer), ``requires_grad``, ``data_dtype`` (``torch.uint8`` or a float8 dtype).
+    """
+    return DOUBLE_CLASSES[generation].create(shape, **kwargs)
+
+
+def make_fp8_module(
+    generations: Iterable[str] = GENERATIONS,
+    shape: Sequence[int] = (8, 4),
+    *,
+    log: Optional[TransposeLog] = None,
+) -> torch.nn.Module:
+    """A module with one FP8 double per generation (``w0``, ``w1``, ...) plus a plain ``bias``."""
+    log = log if log is not None else TransposeLog()
+    m = torch.nn.Module()
+    for i, gen in enumerate(generations):
+        m.register_parameter(f"w{i}", make_fp8_param(gen, shape, fp8_name=f"w{i}", log=log, seed=i))
+    m.bias = torch.nn.Parameter(torch.zeros(shape[0]))
+    m.fp8_log = log
+    return m
+
+
+def expected_transpose(param: Any) -> Tensor:
+    """The transpose of the double's current FP8 bytes (``[N, *M]``, uint8)."""
+    out = torch.empty(_t_shape(tuple(param._data.shape)), dtype=torch.uint8)
+    _fill_transpose(param._data, out)
+    return out
+
+
+def graph_read(param: Any) -> Tensor:
+    """The transpose bytes a CUDA graph captured earlier would read: the buffer, whatever the flag."""
+    return param._transpose.clone()
+
+
+def eager_read(param: Any) -> Tensor:
+    """What eager TE of the double's generation does when a backward GEMM needs the transpose."""
+    if param.generation == "te2":
+        param.update_usage(columnwise_usage=True)
+        return param._transpose.clone()
+    if param.generation == "te1.8":
+        return param.transpose_2d(fill_cache=True).clone()
+    return param.transpose_2d(cache=True).clone()
+
+
+def transpose_is_current(param: Any) -> bool:
+    """True when the cached buffer holds exactly the transpose of the current bytes."""
+    return param._transpose is not None and torch.equal(param._transpose, expected_transpose(param))
+
+
+def write_fp8_bytes(
+    param: Any, seed: Optional[int] = None, *, reset: bool = True, values: Optional[Tensor] = None
+) -> None:
+    """Simulate an optimizer writing new FP8 bytes into ``_data`` in place (same storage).
+
+    ``reset=True`` then calls ``_reset_caches()``, as TE's ``quantize_master_weights`` does;
+    ``reset=False`` is a raw byte write (e.g. an all-gather into the parameter buffer).
+    """
+    data = param._data.view(torch.uint8) if param._data.dtype != torch.uint8 else param._data
+    if values is None:
+        g = torch.Generator().manual_seed(1000 + (seed if seed is not None else param.fp8_log.count("write")))
+        values = torch.randint(0, 256, tuple(data.shape), generator=g, dtype=torch.uint8)
+    data.copy_(values)
+    param.fp8_log.record(param.fp8_name, "write")
+    if reset:
+        param._reset_caches()
+
+
+class WritingOptimizer(torch.optim.Optimizer):
+    """A master-weight-style optimizer whose ``step()`` writes new FP8 bytes into the doubles.
+
+    Plain parameters get an SGD update (so a loss can go down); each FP8 double gets new bytes
+    in place (seeded by the step count), followed by ``_reset_caches()`` unless ``reset=False``.
+    Hooks registered with ``register_step_post_hook`` run after all of that.
+    """
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 0.1, *, reset: bool = True) -> None:
+        super().__init__(params, {"lr": lr})
+        self.reset = reset
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if hasattr(p, "fp8_log"):
+                    write_fp8_bytes(p, seed=self.steps * 7919 + sum(map(ord, p.fp8_name)), reset=self.reset)
+                elif p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
