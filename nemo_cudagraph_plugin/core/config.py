@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Union
 
 __all__ = ["CaptureConfig", "CaptureStats"]
@@ -92,6 +92,12 @@ class CaptureConfig:
             if self.fp8_refresh is False:
                 raise bad("fp8_refresh", False, "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
             self.fp8_refresh = True
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> CaptureConfig:
+        """Build from a mapping that may hold other names too (e.g. an ``__init__``'s ``locals()``)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names})
 
     @property
     def nan_mode(self) -> str:

@@ -58,21 +58,7 @@ class CudaGraphCallback(Callback):
         fp8_refresh: Union[bool, Literal["auto"]] = "auto",
         align_pp_transposes: bool = False,
     ) -> None:
-        self.config = CaptureConfig(
-            enabled=enabled,
-            warmup_steps=warmup_steps,
-            max_graphs=max_graphs,
-            on_cache_full=on_cache_full,
-            on_capture_error=on_capture_error,
-            nan_guard=nan_guard,
-            nan_check_every=nan_check_every,
-            nan_action=nan_action,
-            verify_steps=verify_steps,
-            verify_rtol=verify_rtol,
-            sync_check=sync_check,
-            fp8_refresh=fp8_refresh,
-            align_pp_transposes=align_pp_transposes,
-        )
+        self.config = CaptureConfig.from_options(locals())
         self.stats = CaptureStats()
         self._runner = LightningStepRunner(self.config, self.stats)
 

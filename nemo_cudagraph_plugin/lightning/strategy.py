@@ -95,21 +95,7 @@ class CudaGraphStrategy(Strategy):
                     "contribute to the loss (or freeze unused ones) and use find_unused_parameters=False."
                 )
             warmup_steps = max(warmup_steps, DDP_MIN_WARMUP)
-        self._cg_config = CaptureConfig(
-            enabled=enabled,
-            warmup_steps=warmup_steps,
-            max_graphs=max_graphs,
-            on_cache_full=on_cache_full,
-            on_capture_error=on_capture_error,
-            nan_guard=nan_guard,
-            nan_check_every=nan_check_every,
-            nan_action=nan_action,
-            verify_steps=verify_steps,
-            verify_rtol=verify_rtol,
-            sync_check=sync_check,
-            fp8_refresh=fp8_refresh,
-            align_pp_transposes=align_pp_transposes,
-        )
+        self._cg_config = CaptureConfig.from_options(locals())
         self.stats = CaptureStats()
         self._cg_runner = LightningStepRunner(self._cg_config, self.stats)
 
