@@ -6,36 +6,7 @@
 * :mod:`recipes.gpt_pretrain` — the ``gpt-pretrain`` command line (``python -m recipes.gpt_pretrain``).
 """
 
-from recipes.gpt import (
-    GPT,
-    PRESETS,
-    TEGPT,
-    ByteTokenizer,
-    GPTConfig,
-    GPTDataModule,
-    GPTLightningModule,
-    TokenDataset,
-    TransformerEngineUnavailable,
-    build_model,
-    get_config,
-    gpt_loss,
-    load_embedded_corpus,
-    load_tokens,
-)
+from recipes import gpt
+from recipes.gpt import *  # noqa: F403 - the package re-exports recipes.gpt's public API, listed once there
 
-__all__ = [
-    "GPT",
-    "PRESETS",
-    "TEGPT",
-    "ByteTokenizer",
-    "GPTConfig",
-    "GPTDataModule",
-    "GPTLightningModule",
-    "TokenDataset",
-    "TransformerEngineUnavailable",
-    "build_model",
-    "get_config",
-    "gpt_loss",
-    "load_embedded_corpus",
-    "load_tokens",
-]
+__all__ = list(gpt.__all__)

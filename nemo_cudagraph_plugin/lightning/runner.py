@@ -121,7 +121,7 @@ class LightningStepRunner:
             return f"automatic optimization with {len(trainer.optimizers)} optimizers is not captured; use one optimizer"
         return None
 
-    def bind(self, trainer: Any, pl_module: Any, is_ddp: bool = False) -> None:
+    def bind(self, trainer: Any, pl_module: Any) -> None:
         """Prepare the optimizer and route this trainer's step through the engine.
 
         Raises :class:`CaptureError` (``on_capture_error="raise"``) when the fit cannot be graphed

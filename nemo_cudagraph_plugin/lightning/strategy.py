@@ -86,8 +86,7 @@ class CudaGraphStrategy(Strategy):
         fp8_refresh: Union[bool, Literal["auto"]] = "auto",
         align_pp_transposes: bool = False,
     ) -> None:
-        is_ddp = isinstance(self, DDPStrategy)
-        if is_ddp:
+        if isinstance(self, DDPStrategy):
             if self._ddp_kwargs.get("find_unused_parameters"):
                 raise ValueError(
                     "CudaGraphStrategy('ddp') cannot capture DDP with find_unused_parameters=True: DDP then searches "
@@ -138,7 +137,7 @@ class CudaGraphStrategy(Strategy):
             need = DDP_MIN_WARMUP * trainer.accumulate_grad_batches + 1
             if self._cg_config.warmup_steps < need:
                 self._cg_config.warmup_steps = need
-        self._cg_runner.bind(trainer, self.lightning_module, is_ddp=isinstance(self, DDPStrategy))
+        self._cg_runner.bind(trainer, self.lightning_module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         runner = self._cg_runner
