@@ -4,7 +4,8 @@ After an optimizer writes new FP8 bytes in place, each FP8 weight's cached trans
 the backward GEMMs on Hopper) is stale. Eager TE rebuilds it; a CUDA graph does not.
 
 * :func:`refresh_fp8_transposes` - ``_reset_caches()`` + in-place transpose recompute, per TE
-  API generation (1.6-1.7, 1.8-1.14, 2.x), detected from the tensor's methods.
+  API generation (1.6-1.7, 1.8-1.14, 2.x), detected from the tensor's methods; on TE 2.x with
+  Triton, all transposes in one kernel launch (:class:`Fp8RefreshPlan`, ``fused``).
 * :func:`install_fp8_refresh` - run that after every ``optimizer.step()`` (torch step post-hook):
   captured into the step graph when the step is captured, eager otherwise.
 * :func:`after_param_sync` - the hook point for optimizers that write FP8 bytes after their

@@ -175,6 +175,12 @@ def reset_caches(t: Any) -> None:
     t._reset_caches()
 
 
+def mark_transpose_valid(t: Any) -> None:
+    """After the transpose was written from the current ``_data`` by other means: what TE 2.x's
+    ``_create_transpose()`` sets once its kernel is launched (``_transpose_invalid = False``)."""
+    t._transpose_invalid = False
+
+
 def recompute_transpose(t: Any, gen: Generation) -> None:
     """Recompute ``t``'s transpose from ``_data`` into the existing ``_transpose`` buffer.
 

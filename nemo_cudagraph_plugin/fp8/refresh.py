@@ -12,6 +12,12 @@ the current FP8 bytes **into the existing buffer** (same address, so graphs that
 new values). Tensors without row-wise data (TE 2.x column-wise-only storage) and tensors without a
 transpose buffer (nothing cached: e.g. Blackwell, where TE keeps none) are skipped.
 
+How: per tensor with TE's own method (TE 1.6-1.7 ``transpose_2d(cache=True)``, 1.8-1.14
+``transpose_2d(fill_cache=True, force_compute=True)``, 2.x ``_create_transpose()``); or, for TE 2.x
+tensors on CUDA when Triton is available (``fused="auto"``), all of a plan's transposes in one
+kernel launch (:mod:`._multi_transpose`: the same bytes, without one launch per weight), after
+which the flags are set as ``_create_transpose()`` sets them.
+
 Where it runs:
 
 * :func:`install_fp8_refresh` registers a torch ``optimizer.register_step_post_hook``. Eager
@@ -31,17 +37,19 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
 from ..core.errors import CaptureError
 from . import _te_compat as te
+from ._multi_transpose import MultiTranspose, triton_available
 
 __all__ = [
     "Fp8RefreshHandle",
     "Fp8RefreshPlan",
+    "Fused",
     "ParamsOrModule",
     "after_param_sync",
     "fp8_refresh_wanted",
@@ -52,6 +60,7 @@ __all__ = [
 ]
 
 ParamsOrModule = Union[torch.nn.Module, Tensor, Iterable[Union[Tensor, torch.nn.Module]]]
+Fused = Union[bool, Literal["auto"]]
 
 _warned: set[str] = set()
 
@@ -170,11 +179,24 @@ class Fp8RefreshPlan:
         require_stable_address: if a refresh would leave the transpose at a new address, raise
             :class:`CaptureError` (a graph would keep reading the old buffer). ``None``: only
             while a CUDA graph is capturing; outside a capture warn once instead.
+        fused: how TE 2.x transposes are recomputed. ``"auto"``: all of them in one kernel launch
+            when Triton is available on CUDA, else TE's ``_create_transpose()`` per tensor.
+            ``True``: always batched (one ``copy_`` per tensor where Triton is missing). ``False``:
+            always TE's method per tensor. The bytes written are the same either way. The batched
+            kernel is set up at the first refresh outside a graph capture (a refresh first run
+            inside a capture uses TE's method); the plan keeps each set-up alive, since graphs that
+            captured it read its metadata.
     """
 
     def __init__(
-        self, params_or_module: ParamsOrModule, *, require_stable_address: Optional[bool] = None
+        self,
+        params_or_module: ParamsOrModule,
+        *,
+        require_stable_address: Optional[bool] = None,
+        fused: Fused = "auto",
     ) -> None:
+        if fused not in (True, False, "auto"):
+            raise ValueError(f"fused={fused!r} is invalid: use True, False or 'auto'.")
         self.require_stable_address = require_stable_address
         self._entries: list[tuple[str, Tensor, te.Generation]] = []
         for name, t in named_fp8_params(params_or_module):
@@ -185,7 +207,11 @@ class Fp8RefreshPlan:
             version = te.check_te_version()
             for gen in {g for _, _, g in self._entries}:
                 te.warn_if_generation_mismatch(gen, version)
+        self._fused_mode = fused
+        self.fused = fused is True or (fused == "auto" and triton_available())
+        self._multi: dict[tuple, MultiTranspose] = {}
         self.last_skipped: dict[str, str] = {}
+        self.last_fused = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -204,26 +230,76 @@ class Fp8RefreshPlan:
         """Refresh every planned transpose in place; capturable. Returns how many were refreshed.
 
         Captured (when the current stream is capturing): one transpose kernel per refreshed
-        tensor. Not captured: the Python checks and ``_reset_caches()`` flag update, which
-        happen once at capture (the flag is then clear, which is correct: the graph refreshes).
+        tensor, or one in all for the fused TE 2.x batch. Not captured: the Python checks and the
+        ``_reset_caches()`` / valid-flag updates, which happen once at capture (the flag is then
+        clear, which is correct: the graph refreshes).
         """
         capturing = _capturing()
         strict = capturing if self.require_stable_address is None else self.require_stable_address
         skipped: dict[str, str] = {}
+        batch: list[tuple[Tensor, Tensor, Tensor]] = []
         n = 0
         with torch.no_grad():
             for name, t, gen in self._entries:
-                reason = _refresh_one(name, t, gen, strict=strict, capturing=capturing)
-                if reason is None:
-                    n += 1
-                else:
-                    skipped[name] = reason
+                checked = _checked_buffers(name, t, gen)
+                if isinstance(checked, str):
+                    skipped[name] = checked
+                    continue
+                data, buf = checked
+                if (
+                    self.fused
+                    and gen == "te2"
+                    and data.element_size() == 1
+                    and data.is_contiguous()
+                    and buf.is_contiguous()
+                ):
+                    batch.append((t, data, buf))
+                    continue
+                _recompute(name, t, gen, buf, strict=strict, capturing=capturing)
+                n += 1
+            self.last_fused = self._refresh_batch(batch, capturing) if batch else 0
+            n += len(batch)
         self.last_skipped = skipped
         return n
 
+    def _refresh_batch(self, batch: list[tuple[Tensor, Tensor, Tensor]], capturing: bool) -> int:
+        """TE 2.x tensors in one launch. Returns how many went through the batched kernel."""
+        key = tuple((d.data_ptr(), b.data_ptr(), d.numel() // d.shape[-1], d.shape[-1]) for _, d, b in batch)
+        multi = self._multi.get(key)
+        for t, _, _ in batch:
+            te.reset_caches(t)
+        if multi is None and not capturing:
+            try:
+                multi = MultiTranspose([(d, b) for _, d, b in batch])
+                multi.run()  # the first launch compiles the kernel: outside any capture
+            except Exception as exc:
+                if self._fused_mode is True:
+                    raise
+                # "auto" must never stop training: TE's per-tensor method writes the same bytes.
+                _warn_once(
+                    "fused-failed",
+                    f"The one-launch FP8 transpose refresh failed to set up ({type(exc).__name__}: {exc}); "
+                    "using TransformerEngine's per-tensor _create_transpose() instead (said once).",
+                )
+                self.fused = False
+                multi = None
+            else:
+                self._multi[key] = multi
+                for t, _, _ in batch:
+                    te.mark_transpose_valid(t)
+                return len(batch)
+        if multi is None:  # first seen inside a capture (no host copy allowed there), or set-up failed
+            for t, _, _ in batch:
+                te.recompute_transpose(t, "te2")  # in place: the buffer exists (checked)
+            return 0
+        multi.run()
+        for t, _, _ in batch:
+            te.mark_transpose_valid(t)
+        return len(batch)
 
-def _refresh_one(name: str, t: Any, gen: te.Generation, *, strict: bool, capturing: bool) -> Optional[str]:
-    """Refresh one tensor. Returns ``None`` when refreshed, else why it was skipped."""
+
+def _checked_buffers(name: str, t: Any, gen: te.Generation) -> Union[str, tuple[Tensor, Tensor]]:
+    """``(data, transpose buffer)`` of a tensor that can be refreshed, else why it is skipped."""
     data = te.rowwise_data(t)
     if data is None:
         # TE 2.x column-wise-only storage: the "transpose" *is* the data; nothing to derive it from.
@@ -246,13 +322,17 @@ def _refresh_one(name: str, t: Any, gen: te.Generation, *, strict: bool, capturi
         )
         return "not 2-D (TE 1.x)"
     _check_buffer_fits(name, data, buf)
+    return data, buf
+
+
+def _recompute(name: str, t: Any, gen: te.Generation, buf: Tensor, *, strict: bool, capturing: bool) -> None:
+    """``_reset_caches()`` and TE's own in-place recompute of one tensor."""
     ptr = buf.data_ptr()
     te.reset_caches(t)
     te.recompute_transpose(t, gen)
     new = te.transpose_buffer(t)
     if new is None or new.data_ptr() != ptr:
         _moved(name, strict=strict, capturing=capturing)
-    return None
 
 
 def _check_buffer_fits(name: str, data: Tensor, buf: Tensor) -> None:
@@ -293,7 +373,7 @@ def _moved(name: str, *, strict: bool, capturing: bool) -> None:
 
 
 def refresh_fp8_transposes(
-    params_or_module: ParamsOrModule, *, require_stable_address: Optional[bool] = None
+    params_or_module: ParamsOrModule, *, require_stable_address: Optional[bool] = None, fused: Fused = "auto"
 ) -> int:
     """``_reset_caches()`` plus an in-place transpose recompute for every FP8 parameter.
 
@@ -306,6 +386,8 @@ def refresh_fp8_transposes(
         params_or_module: a module, a tensor, or an iterable of tensors/modules (non-FP8
             tensors are ignored).
         require_stable_address: see :class:`Fp8RefreshPlan` (default: strict only while capturing).
+        fused: see :class:`Fp8RefreshPlan`. Each call builds a new plan: for a refresh after every
+            step (and inside graphs) keep one plan, or use :func:`install_fp8_refresh`.
 
     Returns:
         The number of transposes recomputed (0 when there is no FP8 parameter).
@@ -314,10 +396,12 @@ def refresh_fp8_transposes(
         CaptureError: the transpose would move to a new buffer while graphs depend on it.
         UnsupportedFp8ApiError: TransformerEngine < 1.6 Float8Tensor parameters.
     """
-    return Fp8RefreshPlan(params_or_module, require_stable_address=require_stable_address).refresh()
+    return Fp8RefreshPlan(params_or_module, require_stable_address=require_stable_address, fused=fused).refresh()
 
 
-def after_param_sync(params_or_module: ParamsOrModule, *, require_stable_address: bool = True) -> int:
+def after_param_sync(
+    params_or_module: ParamsOrModule, *, require_stable_address: bool = True, fused: Fused = "auto"
+) -> int:
     """Hook point for optimizers that write FP8 parameter bytes themselves after their param sync.
 
     Megatron-style distributed optimizers and NeMo's distributed Adam update an FP32 master
@@ -334,7 +418,7 @@ def after_param_sync(params_or_module: ParamsOrModule, *, require_stable_address
     Returns:
         The number of transposes recomputed.
     """
-    return refresh_fp8_transposes(params_or_module, require_stable_address=require_stable_address)
+    return refresh_fp8_transposes(params_or_module, require_stable_address=require_stable_address, fused=fused)
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,6 +475,7 @@ def install_fp8_refresh(
     params_or_module: ParamsOrModule,
     *,
     require_stable_address: bool = True,
+    fused: Fused = "auto",
 ) -> Fp8RefreshHandle:
     """Refresh the FP8 transposes of ``params_or_module`` after every ``optimizer.step()``.
 
@@ -399,7 +484,8 @@ def install_fp8_refresh(
     optimizers do). Eager steps: runs eagerly after the step. Captured steps: the transpose
     kernels are recorded right after the optimizer's kernels and every replay refreshes, with no
     Python work per replay. ``params_or_module`` is needed because a master-weight optimizer
-    usually holds FP32 masters, not the FP8 parameters.
+    usually holds FP32 masters, not the FP8 parameters. ``fused``: see :class:`Fp8RefreshPlan`
+    (with Triton on CUDA, TE 2.x transposes are refreshed in one kernel launch).
 
     Returns:
         A :class:`Fp8RefreshHandle`; call ``.remove()`` to uninstall.
@@ -415,7 +501,7 @@ def install_fp8_refresh(
             "refresh cannot follow its step automatically. Call nemo_cudagraph_plugin.fp8.after_param_sync(model) "
             "right after its step / parameter all-gather instead."
         )
-    plan = Fp8RefreshPlan(params_or_module, require_stable_address=require_stable_address)
+    plan = Fp8RefreshPlan(params_or_module, require_stable_address=require_stable_address, fused=fused)
     if len(plan) == 0:
         raise ValueError(_no_fp8_message("install_fp8_refresh"))
     return Fp8RefreshHandle(optimizer, plan)
