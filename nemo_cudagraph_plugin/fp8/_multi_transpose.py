@@ -10,7 +10,8 @@ per-kernel cost.
 What it computes, per pair: ``dst.view(K, M)[k, m] = src.view(M, K)[m, k]`` on raw bytes, which is
 TE's ``fp8_transpose`` layout (data ``[*M, K]`` -> transpose ``[K, *M]``). It reads the pointers
 recorded at build time: a :class:`MultiTranspose` is built once, outside any graph capture (the
-metadata goes to the device with a host copy), and launched as often as needed, captured or not.
+metadata goes to the device with an asynchronous copy from pinned memory: no host sync), and launched
+as often as needed, captured or not.
 The caller keeps it alive as long as a graph that launched it can replay (the kernel reads its
 metadata tensors).
 
@@ -162,15 +163,20 @@ class MultiTranspose:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("MultiTranspose must be built outside CUDA graph capture (its metadata is copied from the host)")
             tile_start, k_tiles, owner = plan_tiles(shapes, block_m, block_k)
-            i64 = dict(dtype=torch.int64, device=device)
+
+            def upload(values: list[int], dtype: torch.dtype = torch.int64) -> Tensor:
+                # Pinned + non_blocking: no host sync (this may run in a step checked by sync-debug mode);
+                # torch's pinned allocator keeps the staging block until the copy has run.
+                return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
             self._args = (
-                torch.tensor(owner, dtype=torch.int32, device=device),
-                torch.tensor(tile_start, **i64),
-                torch.tensor([s.data_ptr() for s, _ in self._views], **i64),
-                torch.tensor([d.data_ptr() for _, d in self._views], **i64),
-                torch.tensor([m for m, _ in shapes], **i64),
-                torch.tensor([k for _, k in shapes], **i64),
-                torch.tensor(k_tiles, **i64),
+                upload(owner, torch.int32),
+                upload(tile_start),
+                upload([s.data_ptr() for s, _ in self._views]),
+                upload([d.data_ptr() for _, d in self._views]),
+                upload([m for m, _ in shapes]),
+                upload([k for _, k in shapes]),
+                upload(k_tiles),
             )
             self._grid = (len(owner),)
             self._launch = _kernel()[self._grid]

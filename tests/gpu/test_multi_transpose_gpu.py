@@ -70,6 +70,22 @@ def test_captured_launch_reads_the_current_bytes_on_every_replay():
     assert [d.data_ptr() for d in dsts] == ptrs
 
 
+def test_set_up_and_launch_do_not_sync_with_the_host():
+    # The first refresh (which sets the kernel up) may run in the engine's last warm-up step, which is checked
+    # under sync-debug mode "error".
+    srcs, dsts = _pairs(SHAPES, seed=2)
+    MultiTranspose(list(zip(srcs, dsts))).run()  # compile outside the check
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mt = MultiTranspose(list(zip(srcs, dsts)))
+        mt.run()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    _check(srcs, dsts)
+
+
 def test_offsets_past_two_to_the_31():
     m, k = 3, (1 << 31) // 3 + 4096  # M*K > 2**31: int64 offsets
     src = torch.randint(0, 256, (m, k), dtype=torch.uint8, device="cuda")
