@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8_refresh as b  # noqa: E402
+from fp8_multi_transpose import graph_of, time_replays  # noqa: E402
 
 import nemo_cudagraph_plugin.fp8.refresh as refresh_mod  # noqa: E402
 from nemo_cudagraph_plugin import CudaGraphCallback  # noqa: E402
@@ -252,29 +253,13 @@ def compare(steps: int = 200, preset: str = "tiny", arms: tuple[str, ...] = tupl
     }
 
 
-def _time_refresh_graph(module: torch.nn.Module, fused: bool, replays: int = 200, rounds: int = 5) -> float:
+def _time_refresh_graph(module: torch.nn.Module, fused: bool, replays: int = 200, samples: int = 5) -> float:
     """Median ms of one replay of a graph holding only the refresh of ``module``'s FP8 weights."""
     plan = Fp8RefreshPlan(module, require_stable_address=True, fused=fused)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        plan.refresh()  # warm-up (and the fused set-up) outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.refresh()
+    graph = graph_of(plan.refresh)  # the eager run before the capture sets the fused kernel up
     if fused and plan.last_fused != len(plan):
         raise RuntimeError(f"fused refresh covered {plan.last_fused} of {len(plan)} weights")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(rounds + 1):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / replays)
-    return statistics.median(samples[1:])  # the first round settles clocks
+    return time_replays(graph, replays, samples) / 1e3
 
 
 # name: (arm of ARMS, per-tensor refresh)

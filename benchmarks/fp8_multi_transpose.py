@@ -39,7 +39,8 @@ def weight_shapes(preset: str) -> list[tuple[int, int]]:
     return [s for _ in range(cfg.n_layer) for s in ((3 * d, d), (d, d), (f, d), (d, f))]
 
 
-def _graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+def graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``fn`` run once eagerly on a side stream (warm-up, set-up), then captured into a graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -51,7 +52,8 @@ def _graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _time(g: torch.cuda.CUDAGraph, replays: int, samples: int) -> float:
+def time_replays(g: torch.cuda.CUDAGraph, replays: int, samples: int) -> float:
+    """Median microseconds per replay over ``samples`` runs of ``replays`` (after one settling run)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     out = []
     for _ in range(samples + 1):
@@ -84,7 +86,7 @@ def measure(preset: str, replays: int, samples: int) -> dict[str, Any]:
         fn()
         torch.cuda.synchronize()
         ok = all(torch.equal(d, s.t()) for s, d in zip(srcs, dsts))
-        us = _time(_graph_of(fn), replays, samples)
+        us = time_replays(graph_of(fn), replays, samples)
         rows[name] = {"us": us, "GBps": nbytes / us / 1e3, "bytes_equal": ok}
     return {"preset": preset, "weights": len(shapes), "MiB": nbytes / 2 / 2**20, "methods": rows}
 
