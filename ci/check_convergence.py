@@ -49,7 +49,7 @@ def _run(report: dict[str, Any], mode: str) -> dict[str, Any]:
     runs = report.get("runs")
     if not isinstance(runs, list):
         raise BadResults("no 'runs' list: was the recipe run with --compare?")
-    found = [r for r in runs if isinstance(r, dict) and r.get("mode") == mode]
+    found = [r for r in runs if isinstance(r, dict) and r.get("requested", r.get("mode")) == mode]
     if len(found) != 1:
         modes = [r.get("mode") for r in runs if isinstance(r, dict)]
         raise BadResults(f"expected exactly one run with mode {mode!r}, found modes {modes}: run with --compare")

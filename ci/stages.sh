@@ -3,6 +3,7 @@
 #
 #   ci/stages.sh lint          ruff on the package, recipes, tests, benchmarks and ci/
 #   ci/stages.sh unit          CPU tests (not gpu, not nemo) in .venv          -> build/reports/unit.xml
+#   ci/stages.sh mutants       ci/mutants.py --tier cpu in .venv: planted breaks the tests must catch
 #   ci/stages.sh nemo          NeMo 2.7.3 recipe tests in .venv-nemo           -> build/reports/nemo.xml
 #   ci/stages.sh gpu           tests/gpu on a CUDA machine                      -> build/reports/gpu.xml
 #   ci/stages.sh convergence   eager vs graphed loss curves of the small recipe -> build/convergence/
@@ -20,10 +21,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-STAGES=(lint unit nemo gpu convergence bench)
+STAGES=(lint unit mutants nemo gpu convergence bench)
 PYTHON="${PYTHON:-python3}"
 REPORTS_DIR="${REPORTS_DIR:-$ROOT/build/reports}"
-TORCH_PIN="torch==2.13.0"
+TORCH_PIN="torch==2.13.0"  # also ci/setup-venv.sh's default (TORCH_SPEC)
 # Measured: NeMo 2.7.3's LLM recipes install and build as configs on a CPU machine with exactly these pins
 # (NeMo 2.7.3 pins lightning 2.4.0; without nvidia-modelopt the recipes are silently missing; nemo-run
 # 0.11.1 imports only with leptonai 0.27.3).
@@ -55,18 +56,17 @@ run_pytest() {
     return "$rc"
 }
 
-# unit_venv: sets PY to .venv's python, with torch 2.13.0 (taken first, so that nothing pulls another
-# build: the CPU build where one lies on disk) and the package with its test extra.
+# unit_venv: sets PY to .venv's python, set up by ci/setup-venv.sh (the same script README's first command
+# runs): torch 2.13.0 first (the CPU build on a machine without a GPU; a torch already in .venv is kept), then
+# the package with its test and plot extras (matplotlib, so the PNG tests run instead of skipping).
 unit_venv() {
-    if [ "${NO_VENV:-0}" = 1 ] && [ "$STAGE" != unit ]; then
+    if [ "${NO_VENV:-0}" = 1 ] && [ "$STAGE" != unit ] && [ "$STAGE" != mutants ]; then
         PY="$(command -v "$PYTHON")"
         say "NO_VENV=1: using $PY as it is ($("$PY" --version 2>&1)); installing nothing"
         return 0
     fi
-    make_venv .venv
+    PYTHON="$PYTHON" TORCH_SPEC="$TORCH_PIN" bash ci/setup-venv.sh .venv "test,plot"
     PY=.venv/bin/python
-    "$PY" -m pip install --quiet "$TORCH_PIN"
-    "$PY" -m pip install --quiet -e ".[test]"
 }
 
 stage_lint() {
@@ -82,7 +82,19 @@ stage_lint() {
 
 stage_unit() {
     unit_venv
-    run_pytest unit "$PY" -m "not gpu and not nemo"
+    # NCG_REQUIRE_PLOT=1: the PNG tests fail instead of skipping if matplotlib did not install.
+    NCG_REQUIRE_PLOT=1 run_pytest unit "$PY" -m "not gpu and not nemo"
+}
+
+# Planted breaks (mutants) of the product code, each of which the CPU tests must catch; ci/mutants.py exits
+# non-zero when a break goes unnoticed (or when it cannot run).
+stage_mutants() {
+    unit_venv
+    if [ ! -f ci/mutants.py ]; then
+        say "FAIL: ci/mutants.py does not exist"
+        return 1
+    fi
+    "$PY" ci/mutants.py --tier cpu
 }
 
 stage_nemo() {
@@ -141,7 +153,7 @@ main() {
     fi
     case "$1" in
         --list) printf '%s\n' "${STAGES[@]}"; return 0 ;;
-        lint | unit | nemo | gpu | convergence | bench) ;;
+        lint | unit | mutants | nemo | gpu | convergence | bench) ;;
         *)
             echo "ci/stages.sh: unknown stage '$1'; stages: ${STAGES[*]}" >&2
             return 2

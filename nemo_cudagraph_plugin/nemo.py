@@ -23,20 +23,30 @@ What the flag does depends on who drives the training step:
     >= 0.16 refuses both together, and NeMo's ``MegatronStrategy.connect()`` re-runs that check), else
     ``enable_cuda_graph=True``; and ``trainer.strategy.use_te_rng_tracker=True`` (the graph-safe RNG tracker;
     the strategy's value overwrites the model config's in ``connect()``, so it is set on the strategy);
-  - refuses ``cuda_graph_scope="full_iteration"`` where ``cuda_graph_impl`` exists: NeMo 2.7's
-    ``MegatronStep`` wraps the schedule in ``FullCudaGraphWrapper`` only when ``enable_cuda_graph`` is true
-    and the scope *equals the string* ``"full_iteration"``, which megatron-core >= 0.16 makes impossible
-    (the scope becomes a list of enums), so no graph would be captured at all;
-  - NaN checks: Megatron DDP's ``check_for_nan_in_grad``/``check_for_large_grads`` read the gradient norm on
-    the host in the gradient-sync hooks. With per-layer graphs those hooks run *outside* the graphs
-    (megatron-core captures each layer's backward with ``torch.autograd.grad(inputs=...)``, which fires no
-    gradient-accumulation hook), so they are kept. Only with a full-iteration graph (older megatron-core
-    without ``cuda_graph_impl``) would they run inside it; there they are turned off;
-  - FP8 transpose care and pipeline alignment apply: when the recipe keeps FP8 primary weights
-    (``fp8_param_gather``/``fp8_params``/``fp8_param``), or with ``fp8_refresh=True``, it appends
-    :class:`~nemo_cudagraph_plugin.lightning.pipeline_callback.AlignPipelineTransposes`, which refreshes the
-    ``Float8Tensor`` transposes of every model chunk right after each optimizer step, so that no layer graph
-    or pipeline stage reads a stale transpose;
+  - ``scope=["full_iteration"]``: one CUDA graph per training step. With megatron-core >= 0.16 it sets
+    ``cuda_graph_impl="local"``, ``cuda_graph_scope=["full_iteration"]`` and appends
+    :class:`~nemo_cudagraph_plugin.lightning.pipeline_callback.MegatronFullIterationGraph`, which wraps each
+    training step in megatron-core's ``FullCudaGraphWrapper`` through NeMo's ``on_megatron_step_start`` event.
+    NeMo 2.7's ``MegatronStep`` does that itself only when ``enable_cuda_graph`` is true and the scope *equals the
+    string* ``"full_iteration"`` (``nemo/lightning/megatron_parallel.py:1436-1441``), which megatron-core >= 0.16
+    makes impossible (the scope becomes a list of enums, ``enable_cuda_graph`` is refused with
+    ``cuda_graph_impl``). Older megatron-core: ``enable_cuda_graph=True`` and the string scope (NeMo's own path);
+  - NaN checks: Megatron DDP's ``check_for_nan_in_grad``/``check_for_large_grads`` read the gradient norm on the
+    host in the gradient-sync hooks. With per-layer graphs those hooks run *outside* the graphs (megatron-core
+    captures each layer's backward with ``torch.autograd.grad(inputs=...)``, which fires no
+    gradient-accumulation hook), so they are kept. With the whole-iteration graph they would run inside it; there
+    they are turned off;
+  - MoE: on a dropless MoE config the default whole-layer scope would capture the host-syncing token dispatcher
+    (megatron-core only checks that when ``moe`` is listed explicitly): the scope is restricted with the reason
+    logged, and ``full_iteration`` is refused (:func:`apply_megatron_graph_fields`);
+  - TE's fused wgrad accumulation (``gradient_accumulation_fusion``) is turned off where the installed
+    megatron-core's graph replay does not restore ``grad_added_to_main_grad`` (Megatron-LM #1279; 0.16.1 does);
+  - FP8 primary weights (``fp8_param_gather``/``fp8_params``/``fp8_param``): megatron-core >= 0.16 rebuilds the
+    transposes itself when each parameter all-gather completes. The flag appends
+    :class:`~nemo_cudagraph_plugin.lightning.pipeline_callback.Fp8ParamGatherRefresh` (pipeline size 1), which
+    refreshes only where megatron-core does not (the forced sync of NeMo's checkpoint save, older megatron-core),
+    or :class:`~nemo_cudagraph_plugin.lightning.pipeline_callback.AlignPipelineTransposes` (pipeline size > 1,
+    or ``fp8_refresh=True``), which does the same for Megatron chunks. Neither forces an all-gather;
   - does not apply: our capture engine, its parity checks (``verify_steps``) and its device-side NaN guard
     (they belong to the captured step); passing their options raises ``ValueError``.
 
@@ -73,7 +83,9 @@ __all__ = [
     "CAPTURE_OPTIONS",
     "Change",
     "CudaGraphPlugin",  # noqa: F822  (made on first access by the module __getattr__ below)
+    "MegatronGraphSetup",
     "add_cuda_graph_argument",
+    "apply_megatron_graph_fields",
     "check_on_cpu",
     "main",
     "plan_megatron_graph_fields",
@@ -132,7 +144,10 @@ def plan_megatron_graph_fields(
 
     Returns:
         ``(updates, full_iteration)``: the fields to set (only those whose value changes) and whether the
-        resulting scope is a full-iteration graph (then NaN checks inside the step must be turned off).
+        resulting scope is a full-iteration graph. A full-iteration scope captures nothing by itself: the
+        caller must also wrap the step (``MegatronFullIterationGraph`` under NeMo, or
+        :func:`nemo_cudagraph_plugin.megatron.full_iteration_forward_backward` in a Megatron loop) and turn
+        Megatron DDP's host-side NaN checks off.
 
     Raises:
         ValueError: a combination the installed megatron-core or NeMo cannot run, with what to change.
@@ -143,14 +158,16 @@ def plan_megatron_graph_fields(
     effective_scope = new_scope if new_scope is not None else _scope_names(current.get("cuda_graph_scope"))
     full_iteration = "full_iteration" in effective_scope
     updates: dict[str, Any] = {}
+    if full_iteration and effective_scope != ["full_iteration"]:
+        raise ValueError(
+            f"cuda_graph_scope={effective_scope}: 'full_iteration' captures the whole step and cannot be combined "
+            "with per-layer scopes; use scope=['full_iteration'] alone, or per-layer scopes without it."
+        )
     if "cuda_graph_impl" in current:
-        if full_iteration:
+        if full_iteration and impl != "local":
             raise ValueError(
-                "cuda_graph_scope='full_iteration' would capture nothing with this megatron-core (it has "
-                "cuda_graph_impl): NeMo's MegatronStep wraps the step in FullCudaGraphWrapper only when "
-                "enable_cuda_graph=True and cuda_graph_scope == 'full_iteration' (a string), and megatron-core "
-                "refuses enable_cuda_graph together with cuda_graph_impl and turns the scope into a list. Use "
-                "the per-layer graphs (scope=None or e.g. ['attn', 'mlp'])."
+                "cuda_graph_scope='full_iteration' needs impl='local' (megatron-core refuses it with "
+                "cuda_graph_impl='transformer_engine')."
             )
         updates["cuda_graph_impl"] = impl
         # megatron-core >= 0.16 asserts "Do not use enable_cuda_graph or external_cuda_graph with
@@ -175,11 +192,17 @@ def plan_megatron_graph_fields(
     if new_scope is not None:
         if "cuda_graph_scope" not in current:
             raise ValueError("scope= was given but this megatron-core's config has no cuda_graph_scope field.")
-        if impl == "transformer_engine" and full_iteration:
-            raise ValueError("cuda_graph_scope='full_iteration' needs impl='local'.")
-        # Strings (not megatron's enum) so the recipe stays YAML/JSON serializable; __post_init__ converts.
-        # Megatron's spelling of "whole layer": [] where cuda_graph_impl exists, the string "full" before.
-        updates["cuda_graph_scope"] = list(new_scope) if new_scope else ([] if "cuda_graph_impl" in current else "full")
+        # Strings (not megatron's enum) so the recipe stays YAML/JSON serializable; __post_init__ converts. A
+        # non-empty scope is one comma-separated string (megatron-core splits it): nemo_run 0.11's YAML loader
+        # turns a list inside a config into the list's repr, which megatron-core then rejects.
+        if "cuda_graph_impl" in current:
+            updates["cuda_graph_scope"] = ",".join(new_scope) if new_scope else []  # [] is megatron's "whole layer"
+        elif full_iteration:
+            # NeMo 2.7's MegatronStep engages FullCudaGraphWrapper only for the *string* "full_iteration"
+            # (nemo/lightning/megatron_parallel.py:1438), which such a megatron-core keeps as a string.
+            updates["cuda_graph_scope"] = "full_iteration"
+        else:
+            updates["cuda_graph_scope"] = list(new_scope) if new_scope else "full"
     if warmup_steps is not None:
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r}: use an int >= 1.")
@@ -216,6 +239,188 @@ def _field_equal(name: str, a: Any, b: Any) -> bool:
         # "full", [] and None all mean "the whole layer"; enums and strings compare by name.
         return _scope_names(a) == _scope_names(b)
     return _same(a, b)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One code path for recipes and plain configs: the fields on a TransformerConfig(-like) object
+# ------------------------------------------------------------------------------------------------------------
+
+_MEGATRON_GRAPH_FIELDS = ("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope",
+                          "cuda_graph_warmup_steps")
+_DETECT = "detect"
+
+
+@dataclasses.dataclass
+class MegatronGraphSetup:
+    """What :func:`apply_megatron_graph_fields` did to one model config.
+
+    Attributes:
+        changes: the fields set, with old/new values and why (also logged).
+        full_iteration: the scope is the whole-iteration graph (the caller must wrap the step and turn host-side
+            NaN checks off; see :func:`plan_megatron_graph_fields`).
+        scope: the resulting ``cuda_graph_scope`` names (``[]`` = the whole layer).
+        notes: warnings said to the user (MoE scope restrictions, fused wgrad accumulation turned off, ...).
+    """
+
+    changes: list[Change]
+    full_iteration: bool
+    scope: list[str]
+    notes: list[str]
+
+
+def _config_fields(config: Any) -> set[str]:
+    if _is_buildable(config):
+        return _params(config)
+    if dataclasses.is_dataclass(config):
+        return {f.name for f in dataclasses.fields(config)}
+    return set(getattr(config, "__dict__", {}))
+
+
+def _moe_scope(config: Any, fields: set[str], impl: str, requested: list[str],
+               explicit: bool) -> tuple[Optional[list[str]], list[str]]:
+    """For an MoE config: the scope to use instead of ``requested`` (``None``: keep it) and notes.
+
+    megatron-core checks a graphed MoE dispatcher only when ``moe`` is listed explicitly
+    (transformer_config.py: 'moe cuda graph is only supported with drop-padding MoE'); the default whole-layer
+    scope also captures a dropless token dispatcher, which reads token counts on the host: the capture fails.
+    """
+    experts = _get(config, "num_moe_experts") if "num_moe_experts" in fields else None
+    if not isinstance(experts, int) or experts <= 1:
+        return None, []
+    capacity = _get(config, "moe_expert_capacity_factor")
+    padded = bool(_get(config, "moe_pad_expert_input_to_capacity"))
+    dropless = capacity is None or not padded
+    dispatcher = _get(config, "moe_token_dispatcher_type")
+    fp8_padding = bool(_get(config, "moe_router_padding_for_fp8"))
+    why_dropless = (
+        f"this MoE config is dropless (moe_expert_capacity_factor={capacity!r}, moe_pad_expert_input_to_capacity="
+        f"{padded}): its {dispatcher!r} token dispatcher reads per-expert token counts on the host, which cannot "
+        "run inside a CUDA graph capture"
+    )
+    if "full_iteration" in requested:
+        if dropless:
+            raise ValueError(
+                f"cuda_graph_scope='full_iteration' on an MoE model: {why_dropless}, and the whole-iteration graph "
+                "captures it. Use drop-and-pad MoE (moe_expert_capacity_factor=<float> and "
+                "moe_pad_expert_input_to_capacity=True), or the per-layer graphs (scope=None: the flag then graphs "
+                "the MoE router and leaves the experts eager)."
+            )
+        return None, []
+    if explicit or not dropless:
+        if explicit and impl == "local" and requested == ["attn"]:
+            return None, ["MoE config with impl='local' and scope=['attn']: megatron-core's MoE layers build no "
+                          "graph manager for 'attn' (MoETransformerLayer.create_mcore_cudagraph_manager), so only "
+                          "dense layers are graphed."]
+        return None, []
+    # The default (whole layer) on a dropless MoE config: restrict to what megatron-core can capture.
+    router_ok = impl == "transformer_engine" or not (
+        dispatcher == "alltoall" and (capacity is not None or fp8_padding)
+    )
+    if router_ok:
+        scope = ["attn", "moe_router"]
+        note = (f"scope restricted to {scope} (was the whole layer): {why_dropless}. Graphed: attention (dense "
+                "layers whole) and the MoE router/post-process (impl='local' adds moe_preprocess); the experts "
+                "and the dispatcher run eagerly.")
+    else:
+        scope = ["attn"]
+        note = (f"scope restricted to {scope} (was the whole layer): {why_dropless}, and with the alltoall "
+                "dispatcher and a capacity factor or FP8 router padding megatron-core refuses the moe_router "
+                "graph under impl='local' (it implies moe_preprocess, which syncs with the host). MoE layers run "
+                "eagerly; pad to capacity to graph them.")
+    return scope, [note]
+
+
+def apply_megatron_graph_fields(
+    config: Any,
+    *,
+    impl: str = "local",
+    scope: Optional[Sequence[str]] = None,
+    warmup_steps: Optional[int] = None,
+    rng_tracker: bool = True,
+    capabilities: Any = _DETECT,
+    set_field: Optional[Callable[[str, Any, str], None]] = None,
+    path: str = "config",
+) -> MegatronGraphSetup:
+    """Set Megatron-core's CUDA-graph fields on one model config: the code path shared by :func:`with_cuda_graph`
+    (a recipe's ``model.config``) and Megatron-core loops (a ``TransformerConfig`` instance).
+
+    What it sets, only where the installed megatron-core's config has the field:
+
+    * the graph fields of :func:`plan_megatron_graph_fields` (``cuda_graph_impl`` / ``enable_cuda_graph``,
+      ``cuda_graph_scope``, ``cuda_graph_warmup_steps``);
+    * MoE: on a dropless MoE config the default whole-layer scope is restricted (``["attn", "moe_router"]``, or
+      ``["attn"]`` where megatron-core refuses the router graph), because it would capture the host-syncing token
+      dispatcher; ``"full_iteration"`` on a dropless MoE config is refused. The reason is logged (WARNING);
+    * ``gradient_accumulation_fusion=False`` when TransformerEngine's fused wgrad accumulation is not safe under
+      the chosen graphs (:func:`nemo_cudagraph_plugin.megatron.fused_wgrad_graph_safety`, Megatron-LM #1279);
+    * ``use_te_rng_tracker=True`` (``rng_tracker=True``; NeMo recipes set it on the strategy instead).
+
+    A plain ``TransformerConfig`` has converted its scope in ``__post_init__`` already: call
+    ``config.__post_init__()`` after this, as NeMo's ``MegatronStrategy.connect()`` does.
+
+    Args:
+        config: a megatron-core ``TransformerConfig`` (or a fiddle ``Config`` of one, or any object with the
+            fields as attributes).
+        impl, scope, warmup_steps: see :func:`with_cuda_graph`.
+        rng_tracker: also set ``use_te_rng_tracker=True`` on this config.
+        capabilities: a :class:`~nemo_cudagraph_plugin.megatron.MegatronCapabilities`, ``None`` (unknown), or
+            ``"detect"`` (read the installed megatron-core, only when fused wgrad accumulation is on).
+        set_field: ``set_field(name, value, why)`` instead of ``setattr`` (the flag records undo values).
+        path: how the config is named in the log (``"model.config"`` for recipes).
+
+    Raises:
+        ValueError: a combination megatron-core or NeMo cannot run; the message says what to change.
+    """
+    fields = _config_fields(config)
+    current = {name: _get(config, name) for name in _MEGATRON_GRAPH_FIELDS if name in fields}
+    requested = _scope_names(scope) if scope is not None else _scope_names(current.get("cuda_graph_scope"))
+    moe_scope, notes = _moe_scope(config, fields, impl, requested, explicit=scope is not None)
+    if moe_scope is not None:
+        scope = moe_scope
+    updates, full_iteration = plan_megatron_graph_fields(current, impl=impl, scope=scope, warmup_steps=warmup_steps)
+    whys = {
+        "cuda_graph_impl": f"megatron-core's {impl} CUDA graphs"
+        + (" (whole iteration)" if full_iteration else " (per layer)"),
+        "enable_cuda_graph": "megatron-core refuses it together with cuda_graph_impl"
+        if "cuda_graph_impl" in current else "megatron-core's CUDA graphs (this megatron-core has no cuda_graph_impl)",
+        "external_cuda_graph": "megatron-core refuses it together with cuda_graph_impl/enable_cuda_graph",
+        "cuda_graph_scope": "MoE: a dropless token dispatcher cannot be captured (logged above)"
+        if moe_scope is not None else "requested scope",
+        "cuda_graph_warmup_steps": "requested warm-up steps",
+    }
+    if "gradient_accumulation_fusion" in fields and _get(config, "gradient_accumulation_fusion") is True:
+        if capabilities == _DETECT:
+            from nemo_cudagraph_plugin.megatron import megatron_capabilities
+
+            capabilities = megatron_capabilities()
+        from nemo_cudagraph_plugin.megatron import fused_wgrad_graph_safety
+
+        safe, reason = fused_wgrad_graph_safety(impl=impl, full_iteration=full_iteration, capabilities=capabilities)
+        if not safe:
+            updates["gradient_accumulation_fusion"] = False
+            whys["gradient_accumulation_fusion"] = f"fused wgrad accumulation is not graph-safe here: {reason}"
+            notes.append(f"{path}.gradient_accumulation_fusion turned off: {reason}.")
+    if rng_tracker and "use_te_rng_tracker" in fields and _get(config, "use_te_rng_tracker") is not True:
+        updates["use_te_rng_tracker"] = True
+        whys["use_te_rng_tracker"] = "CUDA graphs need TE's graph-safe RNG tracker"
+    for note in notes:
+        log.warning("with_cuda_graph: %s", note)
+    changes: list[Change] = []
+    order = ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_impl", "cuda_graph_scope",
+             "cuda_graph_warmup_steps", "gradient_accumulation_fusion", "use_te_rng_tracker")
+    for name in order:
+        if name not in updates:
+            continue
+        if set_field is not None:
+            set_field(name, updates[name], whys[name])
+        else:
+            old = _get(config, name, _UNSET)
+            setattr(config, name, updates[name])
+            change = Change(f"{path}.{name}", old, updates[name], whys[name])
+            changes.append(change)
+            log.info("with_cuda_graph: %s", change)
+    final_scope = _scope_names(updates.get("cuda_graph_scope", current.get("cuda_graph_scope")))
+    return MegatronGraphSetup(changes=changes, full_iteration=full_iteration, scope=final_scope, notes=notes)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -348,9 +553,11 @@ def with_cuda_graph(
         mode: ``"callback"`` (append ``CudaGraphCallback``), ``"strategy"`` (wrap the strategy in
             ``CudaGraphStrategy``), ``"auto"`` (callback, or update our strategy if it is already there).
             Under ``MegatronStrategy`` only ``"auto"`` is accepted: Megatron's own graphs are configured.
-        impl, scope: Megatron-core's ``cuda_graph_impl`` and ``cuda_graph_scope`` (``MegatronStrategy`` only).
-        fp8_refresh: for Lightning recipes the callback's option; under ``MegatronStrategy``, whether to append
-            ``AlignPipelineTransposes`` (``"auto"``: when the recipe keeps FP8 primary weights).
+        impl, scope: Megatron-core's ``cuda_graph_impl`` and ``cuda_graph_scope`` (``MegatronStrategy`` only);
+            ``scope=["full_iteration"]`` captures the whole training step (see the module docstring).
+        fp8_refresh: for Lightning recipes the callback's option; under ``MegatronStrategy``: ``"auto"`` appends
+            ``AlignPipelineTransposes`` when the recipe keeps FP8 primary weights and its pipeline size is > 1,
+            ``Fp8ParamGatherRefresh`` when it is 1; ``True`` always ``AlignPipelineTransposes``; ``False`` neither.
         **options: options of ``CudaGraphCallback``/``CudaGraphStrategy`` (``warmup_steps``, ``nan_guard``,
             ...). Under ``MegatronStrategy`` only ``warmup_steps`` applies (as ``cuda_graph_warmup_steps``).
 
@@ -453,6 +660,8 @@ def _config_like(template: Any, target: Any, **kwargs: Any) -> Any:
 _OUR_CALLBACK = "trainer.callbacks[CudaGraphCallback]"
 _OUR_STRATEGY = "trainer.strategy[CudaGraphStrategy]"
 _OUR_FP8 = "trainer.callbacks[AlignPipelineTransposes]"
+_OUR_GATHER = "trainer.callbacks[Fp8ParamGatherRefresh]"
+_OUR_FULL = "trainer.callbacks[MegatronFullIterationGraph]"
 
 
 def _lightning_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, fp8_refresh: Fp8Refresh,
@@ -566,10 +775,6 @@ def _refuse_megatron_graphs_under_capture(recipe: Any) -> None:
 
 # -- MegatronStrategy: Megatron's own graphs + FP8 care ------------------------------------------------------
 
-_MEGATRON_GRAPH_FIELDS = ("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope",
-                          "cuda_graph_warmup_steps")
-
-
 def _model_config(recipe: Any) -> Any:
     model_cfg = _get(_get(recipe, "model"), "config")
     if model_cfg is None or not _is_buildable(model_cfg):
@@ -603,44 +808,65 @@ def _megatron_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, impl: s
     if fp8_refresh not in (True, False, "auto"):
         raise ValueError(f"fp8_refresh={fp8_refresh!r}: use True, False or 'auto'.")
     model_cfg = _model_config(recipe)
-    fields = _params(model_cfg)
-    current = {name: _get(model_cfg, name) for name in _MEGATRON_GRAPH_FIELDS if name in fields}
-    updates, full_iteration = plan_megatron_graph_fields(
-        current, impl=impl, scope=scope, warmup_steps=options.get("warmup_steps")
-    )
-    whys = {
-        "cuda_graph_impl": f"megatron-core's {impl} per-layer CUDA graphs",
-        "enable_cuda_graph": "megatron-core refuses it together with cuda_graph_impl"
-        if "cuda_graph_impl" in current else "megatron-core's per-layer CUDA graphs (this megatron-core has no "
-        "cuda_graph_impl)",
-        "external_cuda_graph": "megatron-core refuses it together with cuda_graph_impl/enable_cuda_graph",
-        "cuda_graph_scope": "requested scope",
-        "cuda_graph_warmup_steps": "requested warm-up steps",
-    }
-    for name in ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_impl", "cuda_graph_scope",
-                 "cuda_graph_warmup_steps"):
-        if name in updates:
-            editor.set(model_cfg, "model.config", name, updates[name], whys[name])
+    has_fp8 = _has_fp8_params(recipe, trainer, model_cfg)
+    if has_fp8 and "full_iteration" not in _scope_names(scope if scope is not None else _get(model_cfg, "cuda_graph_scope")):
+        raise ValueError(_PER_LAYER_FP8_PARAMS)
     strategy = _get(trainer, "strategy")
     if not _is_buildable(strategy) or "use_te_rng_tracker" not in _params(strategy):
         raise ValueError("trainer.strategy must be a Config(MegatronStrategy, ...) with use_te_rng_tracker.")
+    setup = apply_megatron_graph_fields(
+        model_cfg, impl=impl, scope=scope, warmup_steps=options.get("warmup_steps"), rng_tracker=False,
+        set_field=lambda name, value, why: editor.set(model_cfg, "model.config", name, value, why),
+        path="model.config",
+    )
     editor.set(strategy, "trainer.strategy", "use_te_rng_tracker", True,
                "CUDA graphs need TE's graph-safe RNG tracker; connect() copies this onto model.config")
-    if full_iteration:
+    if setup.full_iteration:
         _megatron_nan_checks_off(strategy, editor)
+        if "cuda_graph_impl" in _params(model_cfg):
+            # megatron-core >= 0.16 turns the scope into a list, so NeMo's MegatronStep never wraps the step
+            # (megatron_parallel.py:1438 compares it with the string); this callback does, per training step.
+            from nemo_cudagraph_plugin.lightning.pipeline_callback import MegatronFullIterationGraph
+
+            _add_our_callback(trainer, editor, MegatronFullIterationGraph, _OUR_FULL,
+                              "wrap each training step's forward-backward in megatron-core's FullCudaGraphWrapper "
+                              "(NeMo 2.7 does so only for a string scope, which megatron-core >= 0.16 forbids)")
     else:
         ddp = _get(strategy, "ddp")
         if _is_buildable(ddp) and _get(ddp, "check_for_nan_in_grad"):
             log.info("with_cuda_graph: kept trainer.strategy.ddp.check_for_nan_in_grad=True: it runs in the gradient "
                      "sync hooks, outside megatron-core's per-layer graphs")
-    want_fp8 = fp8_refresh is True or (fp8_refresh == "auto" and _has_fp8_params(recipe, trainer, model_cfg))
-    if want_fp8:
+    pp = _get(strategy, "pipeline_model_parallel_size") or 1
+    if fp8_refresh is True or (fp8_refresh == "auto" and has_fp8 and pp > 1):
         from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
 
-        if not any(_is_ours(c, "AlignPipelineTransposes") for c in _callback_list(trainer)):
-            _set_callbacks(trainer, editor, _config_like(trainer, AlignPipelineTransposes), lambda c: False,
-                           "refresh FP8 weight transposes of every model chunk right after each optimizer step")
-            editor.record[_OUR_FP8] = True
+        _add_our_callback(trainer, editor, AlignPipelineTransposes, _OUR_FP8,
+                          "FP8 transposes of every model chunk current before any pipeline stage's first microbatch")
+    elif fp8_refresh == "auto" and has_fp8:
+        from nemo_cudagraph_plugin.lightning.pipeline_callback import Fp8ParamGatherRefresh
+
+        log.info("with_cuda_graph: AlignPipelineTransposes not added: pipeline size 1, so no stage waits for another")
+        _add_our_callback(trainer, editor, Fp8ParamGatherRefresh, _OUR_GATHER,
+                          "refresh FP8 transposes where megatron-core's all-gather completes without rebuilding "
+                          "them (e.g. the forced sync of NeMo's checkpoint save)")
+
+
+# Measured on an H200 (megatron-core 0.16.1, TransformerEngine 2.20.2; docs/gpu-evidence/2026-12-03-megatron-bed.md).
+_PER_LAYER_FP8_PARAMS = (
+    "with_cuda_graph(recipe): this recipe keeps FP8 primary weights (trainer.plugins fp8 with fp8_param_gather / "
+    "fp8_params, or model.config.fp8_param), and megatron-core's per-layer CUDA graphs fail on them: the first "
+    "replay copies a Float8Tensor input into the graph's static buffer (megatron/core/transformer/cuda_graphs.py:587, "
+    "`cudagraph_input.copy_(user_input)`) and CUDA reports 'invalid argument' (megatron-core 0.16.1 with "
+    "TransformerEngine 2.20.2). Use with_cuda_graph(recipe, scope=['full_iteration']) — one graph per training step, "
+    "measured bitwise equal to eager over 120 steps with FP8 primary weights and the distributed optimizer in this "
+    "project's megatron-core test bed — or turn FP8 primary weights off."
+)
+
+
+def _add_our_callback(trainer: Any, editor: _Editor, cls: type, key: str, why: str) -> None:
+    if not any(_is_ours(c, cls.__name__) for c in _callback_list(trainer)):
+        _set_callbacks(trainer, editor, _config_like(trainer, cls), lambda c: False, why)
+        editor.record[key] = True
 
 
 def _megatron_nan_checks_off(strategy: Any, editor: _Editor) -> None:
@@ -676,7 +902,7 @@ def _megatron_off(recipe: Any, trainer: Any, editor: _Editor) -> None:
     model_cfg = _model_config(recipe)
     fields = _params(model_cfg)
     offs = {"cuda_graph_impl": "none", "enable_cuda_graph": False, "external_cuda_graph": False}
-    for name in _MEGATRON_GRAPH_FIELDS:
+    for name in (*_MEGATRON_GRAPH_FIELDS, "gradient_accumulation_fusion"):
         if name in fields:
             editor.restore(model_cfg, "model.config", name, offs.get(name, _UNSET), why="CUDA graphs off")
     strategy = _get(trainer, "strategy")
@@ -688,9 +914,10 @@ def _megatron_off(recipe: Any, trainer: Any, editor: _Editor) -> None:
         log.info("with_cuda_graph(enabled=False): left trainer.strategy.use_te_rng_tracker=True and the NaN-check "
                  "settings as they are: the recipe carries no record of their values before with_cuda_graph "
                  "(it was serialized or copied with copy.copy since)")
-    if editor.record.pop(_OUR_FP8, None) or fallback:
-        _set_callbacks(trainer, editor, None, lambda c: _is_ours(c, "AlignPipelineTransposes"),
-                       "AlignPipelineTransposes removed")
+    for key, name in ((_OUR_FP8, "AlignPipelineTransposes"), (_OUR_GATHER, "Fp8ParamGatherRefresh"),
+                      (_OUR_FULL, "MegatronFullIterationGraph")):
+        if editor.record.pop(key, None) or fallback:
+            _set_callbacks(trainer, editor, None, lambda c, n=name: _is_ours(c, n), f"{name} removed")
     _restore_empty_callbacks(trainer, editor)
 
 

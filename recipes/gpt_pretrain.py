@@ -1,11 +1,16 @@
 """``gpt-pretrain``: pre-train a small GPT with Lightning, with the whole training step in CUDA graphs.
 
-    python -m recipes.gpt_pretrain --preset small --compare          # eager vs graphed, table + PNG + JSON
-    python -m recipes.gpt_pretrain --preset tiny --steps 50          # CPU: trains eagerly and says so
-    python -m recipes.gpt_pretrain --data my.txt --strategy strategy # your text (byte-level tokens)
+    python -m recipes.gpt_pretrain --compare                          # eager vs graphed, table + PNG + JSON
+    python -m recipes.gpt_pretrain --preset small --steps 300         # one run (graphed when a GPU is present)
+    python -m recipes.gpt_pretrain --data my.txt --strategy strategy  # your text (byte-level tokens)
 
 Data: the embedded public-domain corpus (``recipes/data``) unless ``--data`` names a text file (byte-level
 tokens; ``.gz`` is decompressed) or a token file (``.pt``: 1-D integer tensor, ``.npy``: 1-D integer array).
+
+Without a CUDA GPU every step runs eagerly. ``--steps`` then defaults to 50 instead of 200 (``--compare`` takes
+a minute or less on two cores), and a run with the plugin attached is labelled ``eager+plugin``, not ``graphed``:
+the table, the PNG and ``results.json`` say that no step was replayed and why, and print no speedup. A run is
+called ``graphed`` only when the plugin replayed at least one step.
 
 Timing: per-step wall times come from CUDA events (GPU) or ``perf_counter`` (CPU) recorded in
 ``on_train_batch_end``; the only explicit host syncs are at the start and end of the timed window, which skips
@@ -43,6 +48,11 @@ from recipes.gpt import (
 )
 
 NO_GPU_MESSAGE = "No CUDA GPU found: training eagerly on CPU (CUDA graphs need a GPU)."
+GPU_DEFAULT_STEPS = 200
+# Two cores run the tiny preset at 0.12-0.5 s/step (idle to busy): --compare (two runs) takes 20-60 s.
+CPU_DEFAULT_STEPS = 50
+# Label of a run that had the plugin attached but replayed no step: it trained eagerly, so it is not "graphed".
+NOT_REPLAYED_MODE = "eager+plugin"
 
 
 class RecipeError(ValueError):
@@ -68,37 +78,79 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+class _DeprecatedAlias(argparse.Action):
+    """An old flag spelling: stores into the new flag's ``dest`` and says once, on stderr, what to type instead."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"gpt-pretrain: {option_string} is deprecated, use {self.new} (same meaning)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def presets_table(vocab_size: int = 256) -> str:
+    """The presets' sizes, one line each (parameter counts with ``vocab_size`` tokens, tied head counted once)."""
+    rows = [("preset", "layers", "d_model", "heads", "seq", "batch", "params")]
+    for name, cfg in PRESETS.items():
+        n = cfg.replace(vocab_size=vocab_size).num_params()
+        rows.append((name, str(cfg.n_layer), str(cfg.n_embd), str(cfg.n_head), str(cfg.seq_len),
+                     str(cfg.batch_size), f"{n / 1e6:.1f}M"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  " + "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]) for r in rows
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpt-pretrain",
-        description="Pre-train a small GPT with Lightning; the whole training step runs in CUDA graphs "
-        "(nemo_cudagraph_plugin) when a GPU is present.",
+        description="Pre-train a small GPT with Lightning; the whole training step runs in CUDA graphs\n"
+        "(nemo_cudagraph_plugin) when a GPU is present. Without one every step runs eagerly, and says so.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "presets (--preset NAME; --seq-len and --batch-size override seq and batch; params counted with\n"
+            "the embedded corpus' 256 byte tokens):\n"
+            f"{presets_table()}\n\n"
+            f"--steps defaults to {GPU_DEFAULT_STEPS} on a GPU and {CPU_DEFAULT_STEPS} on a CPU-only machine, "
+            "where every step runs eagerly\n(--compare then takes a minute or less on two cores)."
+        ),
     )
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the training step in CUDA graphs (default: on when a GPU is present)")
     g.add_argument("--strategy", choices=("callback", "strategy"), default="callback",
                    help="attach the plugin as CudaGraphCallback or as CudaGraphStrategy (default: %(default)s)")
-    g.add_argument("--graph-warmup", type=_non_negative_int, default=3,
-                   help="eager warm-up steps before the capture (plugin's warmup_steps; default: %(default)s)")
+    g.add_argument("--graph-warmup-steps", type=_positive_int, default=3, metavar="N",
+                   help="eager steps before the first CUDA-graph capture (the plugin's warmup_steps; "
+                   "default: %(default)s). Not the learning-rate warm-up: see --lr-warmup-steps")
+    g.add_argument("--graph-warmup", dest="graph_warmup_steps", type=_positive_int, new="--graph-warmup-steps",
+                   action=_DeprecatedAlias)
     g.add_argument("--compare", action="store_true",
-                   help="run eager, then graphed, from the same seed; print both, write a PNG and JSON")
+                   help="run eager, then with the plugin, from the same seed; print both, write a PNG and JSON")
     g.add_argument("--timing-skip", type=_non_negative_int, default=None,
                    help="steps left out of the timing (default: graph warm-up + 2, covering the capture)")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size preset (default: %(default)s)")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="model size preset, see the table below (default: %(default)s)")
     m.add_argument("--fp8", action="store_true",
                    help="TransformerEngine layers with FP8 primary weights (needs TE and an FP8 GPU)")
     m.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"optimizer steps (default: {GPU_DEFAULT_STEPS} on a GPU, {CPU_DEFAULT_STEPS} on CPU)")
     t.add_argument("--batch-size", type=_positive_int, default=None, help="micro-batch per device (default: preset)")
     t.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length (default: preset)")
     t.add_argument("--seed", type=int, default=1234, help="seed of weights and data order (default: %(default)s)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate of AdamW (default: %(default)s)")
     t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
-    t.add_argument("--warmup-steps", type=_non_negative_int, default=None,
-                   help="linear LR warm-up steps (default: steps // 10, at most 100)")
+    t.add_argument("--lr-warmup-steps", type=_non_negative_int, default=None, metavar="N",
+                   help="steps of linear learning-rate warm-up (default: steps // 10, at most 100). "
+                   "Not the CUDA-graph warm-up: see --graph-warmup-steps")
+    t.add_argument("--warmup-steps", dest="lr_warmup_steps", type=_non_negative_int, new="--lr-warmup-steps",
+                   action=_DeprecatedAlias)
     t.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                    help="after warm-up: cosine decay to 0.1*lr at --steps, or constant (default: %(default)s)")
     t.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 disables (default: %(default)s)")
@@ -127,10 +179,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.cuda_graph = args.has_cuda
     if args.precision is None:
         args.precision = "bf16-mixed" if args.has_cuda else "32-true"
-    if args.warmup_steps is None:
-        args.warmup_steps = min(100, args.steps // 10)
+    args.steps_defaulted = args.steps is None
+    if args.steps is None:
+        args.steps = GPU_DEFAULT_STEPS if args.has_cuda else CPU_DEFAULT_STEPS
+    if args.lr_warmup_steps is None:
+        args.lr_warmup_steps = min(100, args.steps // 10)
     if args.timing_skip is None:
-        args.timing_skip = args.graph_warmup + 2
+        args.timing_skip = args.graph_warmup_steps + 2
     args.timing_skip = min(args.timing_skip, args.steps - 1)
     if not 0.0 <= args.dropout < 1.0:
         raise RecipeError(f"--dropout must be in [0, 1), got {args.dropout}")
@@ -256,6 +311,10 @@ class RunResult:
     graph_stats: dict[str, Any] | None = None
     graph_summary: str | None = None
     speedup: float | None = None
+    #: what was asked for: "eager" (no plugin) or "graphed" (plugin attached); ``mode`` says what happened
+    requested: str = ""
+    #: why a run with the plugin attached replayed no step (``None`` when it replayed, or had no plugin)
+    not_graphed_reason: str | None = None
 
     @property
     def replays(self) -> int | None:
@@ -263,7 +322,7 @@ class RunResult:
         return None if self.graph_stats is None else int(self.graph_stats.get("replays", 0))
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "replayed": self.replays}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,9 +346,9 @@ def make_cuda_graph_plugin(args: argparse.Namespace) -> tuple[Callback | None, A
         ) from exc
     if args.strategy == "strategy":
         inner = "ddp" if args.devices > 1 else None
-        strategy = CudaGraphStrategy(inner=inner, warmup_steps=args.graph_warmup)
+        strategy = CudaGraphStrategy(inner=inner, warmup_steps=args.graph_warmup_steps)
         return None, strategy, strategy
-    callback = CudaGraphCallback(warmup_steps=args.graph_warmup)
+    callback = CudaGraphCallback(warmup_steps=args.graph_warmup_steps)
     return callback, None, callback
 
 
@@ -301,6 +360,54 @@ def make_fp8_callback() -> Callback:
             f"--fp8 needs nemo_cudagraph_plugin.lightning.fp8_callback.Fp8TransposeRefresh ({exc})"
         ) from exc
     return Fp8TransposeRefresh()
+
+
+def not_replayed_reason(plugin: Any, stats: Mapping[str, Any] | None, *, has_cuda: bool) -> str:
+    """Why a run with ``plugin`` attached replayed no step, in the plugin's own words where it gives them."""
+    try:
+        reason = getattr(plugin, "eager_reason", None)  # e.g. "no CUDA device is available"
+    except Exception:  # the plugin never bound (e.g. fit stopped early): fall back to its counters
+        reason = None
+    if reason:
+        return str(reason)
+    reasons = (stats or {}).get("eager_reasons") or {}
+    if reasons:
+        return ", ".join(str(k) for k in sorted(reasons))
+    return "no CUDA device" if not has_cuda else "the plugin replayed no step (see its stats line)"
+
+
+def label_run(result: RunResult, plugin: Any, *, has_cuda: bool) -> RunResult:
+    """Name ``result`` by what happened: a run with the plugin attached is ``graphed`` only if it replayed."""
+    if result.requested == "graphed" and not result.replays:
+        result.mode = NOT_REPLAYED_MODE
+        result.not_graphed_reason = not_replayed_reason(plugin, result.graph_stats, has_cuda=has_cuda)
+    return result
+
+
+def assign_speedups(results: Sequence[RunResult]) -> str | None:
+    """Set ``speedup`` (eager ms/step over graphed ms/step) where a graphed run replayed; else say why not.
+
+    Returns ``None`` when speedups were set or no comparison was asked for, else the sentence to print in
+    place of a speedup (e.g. both runs trained eagerly on a CPU: their time difference is noise).
+    """
+    for r in results:
+        r.speedup = None
+    eager = next((r for r in results if r.requested == "eager"), None)
+    with_plugin = [r for r in results if r.requested == "graphed"]
+    if eager is None or not with_plugin:
+        return None
+    graphed = [r for r in with_plugin if r.replays]
+    if not graphed:
+        reason = "; ".join(dict.fromkeys(r.not_graphed_reason or "unknown" for r in with_plugin))
+        return (f"no speedup: no step was replayed ({reason}), so both runs trained eagerly and the difference "
+                "in their step times is noise")
+    if math.isnan(eager.ms_per_step):
+        return "no speedup: the eager run has no timed step (raise --steps above --timing-skip)"
+    eager.speedup = 1.0
+    for r in graphed:
+        if r.ms_per_step and not math.isnan(r.ms_per_step):
+            r.speedup = eager.ms_per_step / r.ms_per_step
+    return None
 
 
 def _stats_dict(plugin: Any) -> dict[str, Any] | None:
@@ -320,13 +427,18 @@ def build_datamodule(args: argparse.Namespace) -> GPTDataModule:
     )
 
 
-def run_training(args: argparse.Namespace, *, cuda_graph: bool, mode: str) -> RunResult:
-    """One full ``Trainer.fit`` from ``args.seed``; returns its :class:`RunResult`."""
+def run_training(args: argparse.Namespace, *, cuda_graph: bool) -> RunResult:
+    """One full ``Trainer.fit`` from ``args.seed``, with the plugin attached if ``cuda_graph``.
+
+    Returns its :class:`RunResult`, labelled ``graphed`` only if the plugin replayed a step (else
+    ``eager+plugin`` with the reason) and ``eager`` without the plugin.
+    """
+    mode = "graphed" if cuda_graph else "eager"
     pl.seed_everything(args.seed, workers=True, verbose=False)
     dm = build_datamodule(args)
     cfg = args.config.replace(vocab_size=dm.vocab_size)
     module = GPTLightningModule(
-        cfg, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        cfg, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.lr_warmup_steps,
         max_steps=args.steps if args.lr_schedule == "cosine" else None, fp8=args.fp8,
     )
     timer = StepTimer(skip_steps=args.timing_skip)
@@ -370,10 +482,11 @@ def run_training(args: argparse.Namespace, *, cuda_graph: bool, mode: str) -> Ru
     tokens_per_step = cfg.batch_size * cfg.seq_len * args.devices
     stats = _stats_dict(plugin) if plugin is not None else None
     summary = getattr(getattr(plugin, "stats", None), "summary", None)
-    capture = float(stats["capture_time_s"]) if stats and "capture_time_s" in stats else None
+    # no capture happened: "-" in the table rather than a capture time of 0.000 s
+    capture = float(stats["capture_time_s"]) if stats and stats.get("captures") and "capture_time_s" in stats else None
     val = trainer.callback_metrics.get("val_loss")
-    return RunResult(
-        mode=mode, steps=timer.count, measured_steps=measured, ms_per_step=ms,
+    result = RunResult(
+        mode=mode, requested=mode, steps=timer.count, measured_steps=measured, ms_per_step=ms,
         steps_per_s=1e3 / ms if measured else float("nan"),
         tokens_per_s=tokens_per_step * 1e3 / ms if measured else float("nan"),
         capture_time_s=capture, peak_mem_bytes=peak,
@@ -382,6 +495,7 @@ def run_training(args: argparse.Namespace, *, cuda_graph: bool, mode: str) -> Ru
         wall_s=wall, losses=losses, step_ms=step_ms, graph_stats=stats,
         graph_summary=summary() if callable(summary) else None,
     )
+    return label_run(result, plugin, has_cuda=args.has_cuda)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,8 +537,33 @@ def loss_parity(a: RunResult, b: RunResult) -> float:
     return max(diffs) if diffs else float("nan")
 
 
+def compare_title(results: Sequence[RunResult], *, preset: str, device: str) -> str:
+    """The PNG's title: "eager vs CUDA-graphed" only when the second run replayed graphs."""
+    modes = " vs ".join(dict.fromkeys(r.mode for r in results))
+    if any(r.mode == "graphed" for r in results):
+        modes = modes.replace("graphed", "CUDA-graphed")
+    title = f"gpt-pretrain --preset {preset}: {modes} ({device})"
+    reasons = [r.not_graphed_reason for r in results if r.not_graphed_reason]
+    if reasons:
+        title += f"\nno step was replayed ({reasons[0]}): both runs trained eagerly, no speedup"
+    return title
+
+
+def plot_labels(results: Sequence[RunResult]) -> list[tuple[str, str]]:
+    """Per run, its legend labels in the loss panel and in the step-time panel (mode, replays, ms/step)."""
+    labels = []
+    for r in results:
+        replayed = "" if r.replays is None else f"{r.replays} replayed, "
+        labels.append((r.mode, f"{r.mode} ({replayed}{_fmt(r.ms_per_step, '.2f')} ms/step timed)"))
+    return labels
+
+
 def plot_compare(results: Sequence[RunResult], path: Path, *, skip: int, title: str) -> Path | None:
-    """Loss curves and per-step times of each run in one PNG; ``None`` (with a message) without matplotlib."""
+    """Loss curves and per-step times of each run in one PNG; ``None`` (with a message) without matplotlib.
+
+    The title and the legend labels are also written into the PNG's text chunks (``Title``, ``Description``),
+    so what the picture claims can be read back without looking at it.
+    """
     try:
         import matplotlib
 
@@ -434,24 +573,26 @@ def plot_compare(results: Sequence[RunResult], path: Path, *, skip: int, title: 
         _say("matplotlib is not installed, so no plot was written: pip install matplotlib "
              "(or nemo_cudagraph_plugin[plot])")
         return None
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for n, r in enumerate(results):
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.8))
+    labels = plot_labels(results)
+    for n, (r, (loss_label, time_label)) in enumerate(zip(results, labels)):
         # the first run wide and faint, later ones thin on top, so identical curves stay visible
         style = {"linewidth": 2.6, "alpha": 0.55} if n == 0 and len(results) > 1 else {"linewidth": 1.1}
-        ax_loss.plot(range(1, len(r.losses) + 1), r.losses, label=r.mode, **style)
-        ax_time.plot(range(1, len(r.step_ms) + 1), r.step_ms,
-                     label=f"{r.mode} ({_fmt(r.ms_per_step, '.2f')} ms/step timed)", **style)
+        ax_loss.plot(range(1, len(r.losses) + 1), r.losses, label=loss_label, **style)
+        ax_time.plot(range(1, len(r.step_ms) + 1), r.step_ms, label=time_label, **style)
     ax_loss.set(xlabel="step", ylabel="train loss", title="Training loss")
     ax_time.set(xlabel="step", ylabel="step time (ms, log)", title="Step time", yscale="log")
     if skip:
-        ax_time.axvspan(0.5, skip + 0.5, color="grey", alpha=0.15, label="untimed (warm-up, capture)")
+        what = "warm-up, capture" if any(r.replays for r in results) else "warm-up"
+        ax_time.axvspan(0.5, skip + 0.5, color="grey", alpha=0.15, label=f"untimed ({what})")
     for ax in (ax_loss, ax_time):
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    legend = "; ".join(t for _, t in labels)
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": f"legend: {legend}"})
     plt.close(fig)
     return path
 
@@ -508,46 +649,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_float32_matmul_precision("high")
     else:
         _say(NO_GPU_MESSAGE)
+        if args.steps_defaulted:
+            _say(f"CPU: {CPU_DEFAULT_STEPS} steps by default ({GPU_DEFAULT_STEPS} on a GPU); change it with --steps N.")
+        if args.compare:
+            _say(f"--compare on CPU: the second run has the plugin attached; without a GPU it replays no step, so it "
+                 f"is labelled {NOT_REPLAYED_MODE!r} and no speedup is measured.")
     out = Path(args.out)
     args.config = args.config.replace(vocab_size=dm.vocab_size)
     _say(_describe(args, dm))
     del dm
 
     if args.compare:
-        results = [run_training(args, cuda_graph=False, mode="eager"),
-                   run_training(args, cuda_graph=True, mode="graphed")]
+        results = [run_training(args, cuda_graph=False), run_training(args, cuda_graph=True)]
     else:
-        results = [run_training(args, cuda_graph=args.cuda_graph, mode="graphed" if args.cuda_graph else "eager")]
+        results = [run_training(args, cuda_graph=args.cuda_graph)]
 
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return 0
-    eager = next((r for r in results if r.mode == "eager"), None)
-    for r in results:
-        if eager is not None and r.ms_per_step and not math.isnan(eager.ms_per_step):
-            r.speedup = eager.ms_per_step / r.ms_per_step
+    speedup_note = assign_speedups(results)
     _say("")
     _say(format_summary(results))
     skip_note = f"timed over steps {args.timing_skip + 1}-{args.steps}" if args.timing_skip else "all steps timed"
     _say(f"({skip_note}; replayed = steps run as a CUDA-graph replay; tokens/s counts batch x seq_len x devices)")
     for r in results:
+        if r.not_graphed_reason:
+            _say(f"{r.mode}: the plugin was attached but no step was replayed: {r.not_graphed_reason}")
+    if speedup_note:
+        _say(speedup_note)
+    for r in results:
         if r.graph_summary:
-            _say(f"{r.mode}: {r.graph_summary}")
+            _say(f"{r.mode} stats: {r.graph_summary}")
+    second = results[-1]
     report: dict[str, Any] = {
         "preset": args.preset, "config": args.config.as_dict(), "fp8": args.fp8, "strategy": args.strategy,
         "precision": args.precision, "devices": args.devices, "seed": args.seed, "steps": args.steps,
         "timing_skip": args.timing_skip, "data": args.data or "embedded",
         "device": torch.cuda.get_device_name() if args.has_cuda else "cpu",
+        # the run with the plugin attached (the second one under --compare): did it replay, and how often
+        "mode": second.mode, "replayed": second.replays, "not_graphed_reason": second.not_graphed_reason,
         "runs": [r.as_dict() for r in results],
     }
     if args.compare:
         parity = loss_parity(results[0], results[1])
         report["max_abs_loss_diff"] = parity
         report["speedup"] = results[1].speedup
-        _say(f"loss parity: max |eager - graphed| over {min(len(results[0].losses), len(results[1].losses))} "
-             f"steps = {parity:.3g}")
+        report["speedup_note"] = speedup_note
+        _say(f"loss parity: max |{results[0].mode} - {results[1].mode}| over "
+             f"{min(len(results[0].losses), len(results[1].losses))} steps = {parity:.3g}")
         png = plot_compare(results, out / "compare.png", skip=args.timing_skip,
-                           title=f"gpt-pretrain --preset {args.preset}: eager vs CUDA-graphed "
-                                 f"({report['device']})")
+                           title=compare_title(results, preset=args.preset, device=report["device"]))
         if png is not None:
             report["png"] = str(png)
             _say(f"plot: {png}")

@@ -1,4 +1,5 @@
-"""Tests of the CI definition: the Jenkinsfile's structure, ci/stages.sh, .ci/run and ci/check_convergence.py.
+"""Tests of the CI definition: the Jenkinsfile's structure, ci/stages.sh, ci/setup-venv.sh, .ci/run,
+tests/gpu/conftest.py's handling of CPU machines and ci/check_convergence.py.
 
 The Jenkinsfile is parsed into its nested blocks (``pipeline { stages { stage('X') { steps { ... } } } }``)
 by a small tokenizer that knows Groovy strings and comments, so unbalanced braces or quotes fail here.
@@ -21,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 JENKINSFILE = ROOT / "Jenkinsfile"
 STAGES_SH = ROOT / "ci" / "stages.sh"
+SETUP_VENV = ROOT / "ci" / "setup-venv.sh"
 CI_RUN = ROOT / ".ci" / "run"
 sys.path.insert(0, str(ROOT / "ci"))
 import check_convergence  # noqa: E402  (ci/ is not a package)
@@ -29,6 +31,7 @@ import check_convergence  # noqa: E402  (ci/ is not a package)
 EXPECTED = {
     "Lint": "lint",
     "CPU unit tests": "unit",
+    "Mutants": "mutants",
     "NeMo recipe": "nemo",
     "GPU tests": "gpu",
     "Convergence": "convergence",
@@ -216,7 +219,7 @@ def test_benchmark_stage_archives_its_json():
 
 def test_stages_sh_syntax_list_and_unknown_stage():
     assert subprocess.run(["bash", "-n", str(STAGES_SH)], timeout=30).returncode == 0
-    assert _script_stages() == ["lint", "unit", "nemo", "gpu", "convergence", "bench"]
+    assert _script_stages() == ["lint", "unit", "mutants", "nemo", "gpu", "convergence", "bench"]
     bad = subprocess.run(["bash", str(STAGES_SH), "deploy"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown stage 'deploy'" in bad.stderr
     assert subprocess.run(["bash", str(STAGES_SH)], capture_output=True, timeout=30).returncode == 2
@@ -226,10 +229,12 @@ def test_stages_sh_syntax_list_and_unknown_stage():
 def test_ci_run_runs_the_cpu_stages_with_the_same_commands():
     text = CI_RUN.read_text()
     assert subprocess.run(["bash", "-n", str(CI_RUN)], timeout=30).returncode == 0
-    assert re.search(r"^for stage in lint unit nemo; do$", text, re.M)
-    assert 'bash ci/stages.sh "$stage"' in text
     cpu = [s for n, s in EXPECTED.items() if n not in GPU_STAGES]
-    assert cpu == ["lint", "unit", "nemo"]
+    assert cpu == ["lint", "unit", "mutants", "nemo"]
+    assert re.search(rf"^CPU_STAGES=\({' '.join(cpu)}\)$", text, re.M), "the Jenkinsfile's CPU stages, in order"
+    assert text.count('for stage in "${CPU_STAGES[@]}"; do') == 2  # run them all, and list them all
+    assert 'bash ci/stages.sh "$stage"' in text
+    assert '"$LOGS/mutants.log"' in text  # the mutants verdict is in the summary
     assert 'exit "$status"' in text
 
 
@@ -242,6 +247,7 @@ def _fake_python(path: Path, body: str) -> None:
 def _copy_script(tmp_path: Path) -> Path:
     (tmp_path / "ci").mkdir()
     shutil.copy(STAGES_SH, tmp_path / "ci" / "stages.sh")
+    shutil.copy(SETUP_VENV, tmp_path / "ci" / "setup-venv.sh")
     return tmp_path / "ci" / "stages.sh"
 
 
@@ -250,16 +256,36 @@ def test_unit_stage_treats_pytest_exit_5_as_failure(tmp_path, pytest_rc, stage_r
     script = _copy_script(tmp_path)
     # A venv whose python installs nothing and whose pytest exits with pytest_rc, recording its arguments.
     _fake_python(tmp_path / ".venv" / "bin" / "python",
-                 f'if [ "$2" = pytest ]; then echo "$@" > "{tmp_path}/pytest.args"; exit {pytest_rc}; fi\nexit 0\n')
+                 f'if [ "$2" = pytest ]; then echo "NCG_REQUIRE_PLOT=$NCG_REQUIRE_PLOT $@" > "{tmp_path}/pytest.args"; '
+                 f'exit {pytest_rc}; fi\necho "$@" >> "{tmp_path}/calls"; exit 0\n')
     out = subprocess.run(["bash", str(script), "unit"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHON": "false"})
     assert out.returncode == stage_rc, out.stdout + out.stderr
     args = (tmp_path / "pytest.args").read_text()
     assert "-m pytest -m not gpu and not nemo" in args and f"--junitxml={tmp_path}/build/reports/unit.xml" in args
+    # the plot extra is installed and the PNG tests are told not to skip
+    assert args.startswith("NCG_REQUIRE_PLOT=1 ")
+    assert "-m pip install --quiet -e .[test,plot]" in (tmp_path / "calls").read_text().splitlines()
     if pytest_rc == 5:
         assert "collected no test for stage 'unit' (exit 5)" in out.stdout
     if stage_rc:
         assert "FAILED (exit" in out.stdout
+
+
+@pytest.mark.parametrize("mutants_rc", [0, 3])
+def test_mutants_stage_runs_ci_mutants_cpu_tier_in_the_unit_venv(tmp_path, mutants_rc):
+    script = _copy_script(tmp_path)
+    _fake_python(tmp_path / ".venv" / "bin" / "python",
+                 f'echo "$@" >> "{tmp_path}/calls"; if [ "$1" = ci/mutants.py ]; then exit {mutants_rc}; fi; exit 0\n')
+    # without ci/mutants.py the stage fails (it must never pass by running nothing)
+    out = subprocess.run(["bash", str(script), "mutants"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "ci/mutants.py does not exist" in out.stdout
+    (tmp_path / "ci" / "mutants.py").write_text("")
+    out = subprocess.run(["bash", str(script), "mutants"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == mutants_rc, out.stdout + out.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "-m pip install --quiet -e .[test,plot]" in calls  # the unit stage's environment
+    assert calls[-1] == "ci/mutants.py --tier cpu"
 
 
 def test_nemo_stage_fails_when_the_install_fails(tmp_path):
@@ -366,9 +392,9 @@ def test_convergence_cli_exit_codes_and_summary(tmp_path, capsys):
     assert check_convergence.main([str(tmp_path / "missing.json")]) == 2
 
 
-def test_convergence_check_reads_the_recipe_output(tmp_path):
-    """The real gpt-pretrain --compare JSON (here on the CPU, so the "graphed" run trains eagerly): the format
-    is understood, and the check refuses it because no graph was replayed."""
+def test_convergence_check_refuses_the_recipe_output_of_a_cpu_run(tmp_path, capsys):
+    """The real gpt-pretrain --compare JSON on the CPU: the run with the plugin trains eagerly, is labelled
+    "eager+plugin" (not "graphed"), and the convergence check must not pass it."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "recipes.gpt_pretrain", "--preset", "tiny", "--compare", "--steps", "4",
            "--seq-len", "32", "--val-batches", "1", "--log-every", "0", "--out", str(out)]
@@ -376,10 +402,10 @@ def test_convergence_check_reads_the_recipe_output(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
-    failures, summary = check_convergence.check(report, window=2)
-    assert summary["steps"] == 4
-    assert any("replayed no CUDA graph" in f for f in failures), failures
-    assert not any("losses, expected" in f or "non-finite" in f for f in failures), failures
+    assert [r["mode"] for r in report["runs"]] == ["eager", "eager+plugin"] and report["replayed"] == 0
+    assert check_convergence.main([str(out / "results.json"), "--window", "2"]) != 0
+    said = capsys.readouterr()
+    assert "replayed no CUDA graph" in said.out or "eager+plugin" in said.err, said
 
 
 def test_convergence_stage_commands_with_no_venv(tmp_path):
@@ -397,3 +423,122 @@ def test_convergence_stage_commands_with_no_venv(tmp_path):
         f"--summary {tmp_path}/build/convergence/convergence.json",
     ]
     assert not (tmp_path / ".venv").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ci/setup-venv.sh (README's first command) and tests/gpu/conftest.py
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _setup_venv_sandbox(tmp_path: Path, *, torch_present: bool, dry_run_pulls: list[str],
+                        index_pulls: list[str] | None = None) -> Path:
+    """A copy of ci/setup-venv.sh with a fake .venv python that logs its calls; no real install happens.
+
+    ``pip install --dry-run`` reports torch plus ``dry_run_pulls``, or plus ``index_pulls`` when an
+    ``--index-url`` is given (default: the same as without).
+    """
+    (tmp_path / "ci").mkdir(parents=True)
+    shutil.copy(SETUP_VENV, tmp_path / "ci" / "setup-venv.sh")
+    marker = tmp_path / "torch-installed"
+    if torch_present:
+        marker.touch()
+
+    def report(names: list[str]) -> str:
+        return json.dumps({"install": [{"metadata": {"name": n}} for n in ["torch", *names]]})
+
+    plain, indexed = report(dry_run_pulls), report(dry_run_pulls if index_pulls is None else index_pulls)
+    _fake_python(tmp_path / ".venv" / "bin" / "python", f"""echo "$@" >> "{tmp_path}/calls"
+if [ "$1" = - ]; then exec "{sys.executable}" "$@"; fi
+if [ "$1" = -c ]; then [ -e "{marker}" ] && exit 0; exit 1; fi
+if [ "$2 $3" = "pip install" ]; then
+    case " $* " in
+        *" --dry-run "*)
+            body='{plain}'; case " $* " in *" --index-url "*) body='{indexed}' ;; esac
+            prev=; for a in "$@"; do [ "$prev" = --report ] && echo "$body" > "$a"; prev="$a"; done ;;
+        *" torch==2.13.0"*) touch "{marker}" ;;
+    esac
+fi
+exit 0
+""")
+    return tmp_path / "ci" / "setup-venv.sh"
+
+
+def _run_setup(script: Path, tmp_path: Path, *, gpu: bool, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if gpu:
+        _fake_python(bin_dir / "nvidia-smi", 'echo "GPU 0: NVIDIA H200 (UUID: GPU-x)"\n')
+    path = f"{bin_dir}:/usr/bin:/bin"  # no real nvidia-smi
+    return subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": path, "HOME": str(tmp_path), **env})
+
+
+def _installs(tmp_path: Path) -> list[str]:
+    return [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m pip install")]
+
+
+def test_setup_venv_installs_cpu_torch_first_then_the_package_with_plot(tmp_path):
+    script = _setup_venv_sandbox(tmp_path, torch_present=False, dry_run_pulls=["filelock"])
+    out = _run_setup(script, tmp_path, gpu=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    installs = _installs(tmp_path)
+    assert installs[0].startswith("-m pip install --quiet --dry-run") and installs[0].endswith(" torch==2.13.0")
+    assert installs[1:] == ["-m pip install --quiet torch==2.13.0", "-m pip install --quiet -e .[plot]"]
+    assert "no NVIDIA GPU: installing the CPU build of torch==2.13.0" in out.stdout
+
+
+def test_setup_venv_takes_torch_from_the_cpu_index_when_pypi_serves_a_cuda_build(tmp_path):
+    """What a CPU-only Linux machine on PyPI sees: the default torch pulls nvidia-* wheels; the CPU index not."""
+    script = _setup_venv_sandbox(tmp_path, torch_present=False, dry_run_pulls=["nvidia-cublas-cu12"],
+                                 index_pulls=[])
+    out = _run_setup(script, tmp_path, gpu=False, TORCH_CPU_INDEX_URL="file:///cpu-wheels")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "serves a CUDA build of torch==2.13.0 here (it pulls: nvidia-cublas-cu12)" in out.stdout
+    installs = _installs(tmp_path)
+    assert [("--dry-run" in c, "--index-url file:///cpu-wheels" in c) for c in installs[:2]] == [(True, False),
+                                                                                              (True, True)]
+    assert installs[2:] == ["-m pip install --quiet --index-url file:///cpu-wheels torch==2.13.0",
+                            "-m pip install --quiet -e .[plot]"]
+
+
+def test_setup_venv_stops_before_downloading_a_cuda_torch_on_a_cpu_machine(tmp_path):
+    script = _setup_venv_sandbox(tmp_path, torch_present=False, dry_run_pulls=["nvidia-cublas-cu12", "triton"])
+    out = _run_setup(script, tmp_path, gpu=False, TORCH_CPU_INDEX_URL="file:///cpu-wheels")
+    assert out.returncode == 1
+    assert "STOP: no CPU build of torch==2.13.0 found" in out.stderr and "nvidia-cublas-cu12" in out.stderr
+    assert "TORCH_INDEX_URL=<index>" in out.stderr
+    assert all("--dry-run" in c for c in _installs(tmp_path))  # nothing was installed
+    # a given TORCH_INDEX_URL is used for the torch install (and only it), with no fallback
+    again = tmp_path / "again"
+    script = _setup_venv_sandbox(again, torch_present=False, dry_run_pulls=["nvidia-cublas-cu12"], index_pulls=[])
+    out = _run_setup(script, again, gpu=False, TORCH_INDEX_URL="file:///mine")
+    assert out.returncode == 0, out.stdout + out.stderr
+    installs = _installs(again)
+    assert len(installs) == 3 and "--index-url file:///mine" in installs[0]
+    assert installs[1:] == ["-m pip install --quiet --index-url file:///mine torch==2.13.0",
+                            "-m pip install --quiet -e .[plot]"]
+
+
+def test_setup_venv_on_a_gpu_machine_and_with_torch_present(tmp_path):
+    script = _setup_venv_sandbox(tmp_path, torch_present=False, dry_run_pulls=["nvidia-cublas-cu12"])
+    out = _run_setup(script, tmp_path, gpu=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _installs(tmp_path) == ["-m pip install --quiet torch==2.13.0", "-m pip install --quiet -e .[plot]"]
+
+    kept = tmp_path / "kept"
+    script = _setup_venv_sandbox(kept, torch_present=True, dry_run_pulls=[])
+    out = _run_setup(script, kept, gpu=False)
+    assert out.returncode == 0 and "keeping the torch already in .venv" in out.stdout
+    assert _installs(kept) == ["-m pip install --quiet -e .[plot]"]
+
+
+def test_gpu_tests_are_not_collected_on_a_cpu_machine_nor_reported_as_skipped():
+    """Without CUDA, tests/gpu is left out (header says so) instead of adding skips to every CPU stage."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-rs",
+                           "-m", "not gpu and not nemo", "tests/gpu"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 5, done.stdout + done.stderr  # nothing collected (the gpu stage refuses CPU first)
+    n = len(list((ROOT / "tests" / "gpu").glob("test_*.py")))
+    assert f"tests/gpu: {n} test files not collected: no CUDA device" in done.stdout
+    assert "skipped" not in done.stdout.lower(), done.stdout

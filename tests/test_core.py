@@ -23,7 +23,7 @@ from nemo_cudagraph_plugin.core import (
     signature_of,
     unflatten,
 )
-from nemo_cudagraph_plugin.core.errors import classify_capture_error, user_location
+from nemo_cudagraph_plugin.core.errors import capture_error_from, classify_capture_error, user_location
 
 Pair = namedtuple("Pair", "a b")
 
@@ -110,7 +110,7 @@ def test_graph_cache_lru_order_and_capacity():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"warmup_steps": 0}, "warmup_steps=0 is invalid"),
+        ({"warmup_steps": 0}, r"CaptureConfig\(warmup_steps=0\) is invalid"),
         ({"max_graphs": 0}, "max_graphs"),
         ({"on_capture_error": "ignore"}, "'raise' or 'eager'"),
         ({"nan_guard": "grad"}, "nan_guard"),
@@ -221,25 +221,57 @@ def test_portable_checkpoint_state_has_floats_and_original_flags():
 
 
 # -- errors ------------------------------------------------------------------------------------
+# A stand-in for a CUDA tensor under set_sync_debug_mode("error"): its syncing methods raise the way
+# torch does, from a frame that is not user code (compiled with a "<...>" file name, as torch's C++
+# frames are invisible), so the classifier must read the *calling* line, as it does on a GPU.
+_NS: dict = {}
+exec(  # noqa: S102 - builds the raising frame outside the test file on purpose
+    compile(
+        "def sync_error(*a, **k):\n    raise RuntimeError('called a synchronizing CUDA operation')\n"
+        "def capture_error(*a, **k):\n    raise RuntimeError('CUDA error: operation not permitted when stream is capturing')\n",
+        "<torch-internals>",
+        "exec",
+    ),
+    _NS,
+)
+
+
+class _CudaLike:
+    item = to = __getitem__ = __bool__ = _NS["sync_error"]
+    __str__ = __repr__ = _NS["capture_error"]
+
+    def __gt__(self, other):
+        return self
+
+
 def _raise_sync_item():
-    raise RuntimeError("called a synchronizing CUDA operation")  # loss.item() in user code
+    loss = _CudaLike()
+    return loss.item()
 
 
 def _raise_sync_to():
-    raise RuntimeError("called a synchronizing CUDA operation")  # torch.tensor(1.0).to(device)
+    return _CudaLike().to("cuda")
 
 
 def _raise_sync_mask():
-    raise RuntimeError("called a synchronizing CUDA operation")  # y = x[x > 0]
+    x = _CudaLike()
+    return x[x > 0]
 
 
 def _raise_other():
-    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")  # print(loss)
+    loss = _CudaLike()
+    print(loss)
+
+
+def _raise_item_with_misleading_comment():
+    loss = _CudaLike()
+    return loss.item()  # not x[x > 0], nor torch.tensor(1.0).to(device)
 
 
 @pytest.mark.parametrize(
     "fn,rule",
-    [(_raise_sync_item, "host-sync"), (_raise_sync_to, "cpu-tensor"), (_raise_sync_mask, "dynamic-shape"), (_raise_other, "host-sync")],
+    [(_raise_sync_item, "host-sync"), (_raise_sync_to, "cpu-tensor"), (_raise_sync_mask, "dynamic-shape"),
+     (_raise_other, "host-sync"), (_raise_item_with_misleading_comment, "host-sync")],
 )
 def test_capture_errors_are_classified_from_the_user_line(fn, rule):
     try:
@@ -247,8 +279,38 @@ def test_capture_errors_are_classified_from_the_user_line(fn, rule):
     except RuntimeError as exc:
         assert classify_capture_error(exc) == rule
         loc = user_location(exc.__traceback__)
-        line = traceback.extract_tb(exc.__traceback__)[-1].lineno
-        assert loc is not None and loc.endswith(f"test_core.py:{line}")
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == __file__]
+        assert loc is not None and loc.endswith(f"test_core.py:{frames[-1].lineno}")
+    else:
+        raise AssertionError("the stand-in did not raise")
+
+
+def test_location_in_library_code_is_named_and_marked(tmp_path, monkeypatch):
+    """An offending line inside an installed package (an HF model, Lightning's demo module) is still
+    named with path:line and marked as library code; user frames are preferred when present."""
+    site = tmp_path / "site-packages" / "somelib"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    (site / "model.py").write_text("def forward(x):\n    return x.item()\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    import importlib
+
+    model = importlib.import_module("somelib.model")
+    try:
+        model.forward(_CudaLike())
+    except RuntimeError as exc:
+        loc = user_location(exc.__traceback__)
+        # The test file called it, so the user frame (this file) wins ...
+        assert loc is not None and loc.startswith(__file__) and "library" not in loc
+        # ... and without a user frame the library line is named and marked.
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        lib = user_location(tb)
+        assert lib == f"{site / 'model.py'}:2 (library code)", lib
+        err = capture_error_from(exc.with_traceback(tb), "capture")
+        assert err.location == f"{site / 'model.py'}:2" and "installed library code" in str(err)
+        assert err.rule == "host-sync"
 
 
 def test_user_location_skips_library_frames():

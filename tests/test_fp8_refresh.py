@@ -21,6 +21,7 @@ from fp8_doubles import (
     write_fp8_bytes,
 )
 
+import nemo_cudagraph_plugin.core.warn as warn_mod
 import nemo_cudagraph_plugin.fp8.refresh as refresh_mod
 from nemo_cudagraph_plugin.core.errors import CaptureError
 from nemo_cudagraph_plugin.fp8 import (
@@ -44,8 +45,7 @@ from nemo_cudagraph_plugin.fp8 import _te_compat as te
 @pytest.fixture(autouse=True)
 def _fresh_warning_state(monkeypatch):
     # "Said once" warnings are per process; give every test a clean slate and no real TE version.
-    monkeypatch.setattr(refresh_mod, "_warned", set())
-    monkeypatch.setattr(te, "_warned", set())
+    monkeypatch.setattr(warn_mod, "_WARNED", set())
     monkeypatch.setattr(te, "te_version", lambda: None)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from fp8_doubles import TransposeLog, make_fp8_param, transpose_is_current, write_fp8_bytes
 
+import nemo_cudagraph_plugin.core.warn as warn_mod
 import nemo_cudagraph_plugin.fp8.refresh as refresh_mod
 from nemo_cudagraph_plugin.fp8 import Fp8RefreshPlan, verify_fp8_transposes
 from nemo_cudagraph_plugin.fp8 import _te_compat as te
@@ -19,8 +20,7 @@ from nemo_cudagraph_plugin.fp8._multi_transpose import MultiTranspose, plan_tile
 
 @pytest.fixture(autouse=True)
 def _no_real_te(monkeypatch):
-    monkeypatch.setattr(refresh_mod, "_warned", set())
-    monkeypatch.setattr(te, "_warned", set())
+    monkeypatch.setattr(warn_mod, "_WARNED", set())
     monkeypatch.setattr(te, "te_version", lambda: None)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -36,6 +38,22 @@ from recipes.gpt import (
 DATA_DIR = Path(gpt.__file__).parent / "data"
 # Small-but-real CLI settings: tiny preset, short sequences, no progress bar.
 FAST = ["--preset", "tiny", "--seq-len", "32", "--val-batches", "1", "--log-every", "0"]
+
+
+def _need_matplotlib() -> None:
+    """Skip without matplotlib, except in CI's unit stage (NCG_REQUIRE_PLOT=1), which installs the plot extra."""
+    if os.environ.get("NCG_REQUIRE_PLOT") == "1":
+        import matplotlib  # noqa: F401  (an ImportError fails the test: the stage promised matplotlib)
+    else:
+        pytest.importorskip("matplotlib")
+
+
+def _png_text(path: Path) -> dict[str, str]:
+    """The text chunks (Title, Description) that plot_compare writes into the PNG."""
+    from PIL import Image  # a matplotlib dependency
+
+    with Image.open(path) as img:
+        return dict(img.text)
 
 
 def _plugin_importable() -> bool:
@@ -373,27 +391,56 @@ def test_training_step_returns_and_logs_loss(monkeypatch):
 # --------------------------------------------------------------------------------------------- CLI
 
 
-def test_cli_defaults_on_cpu():
+def test_cli_defaults_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = cli.parse_args([])
     assert args.cuda_graph is False and args.precision == "32-true" and args.preset == "tiny"
     assert args.strategy == "callback" and args.compare is False and args.fp8 is False
-    assert args.warmup_steps == 20 and args.timing_skip == 5
+    # CPU: fewer steps by default (the job finishes in about a minute), so the LR warm-up is shorter too
+    assert args.steps == cli.CPU_DEFAULT_STEPS == 50 and args.steps_defaulted is True
+    assert args.lr_warmup_steps == 5 and args.graph_warmup_steps == 3 and args.timing_skip == 5
     assert args.config == PRESETS["tiny"]
+    assert cli.parse_args(["--steps", "200"]).steps_defaulted is False
     assert cli.parse_args(["--cuda-graph"]).cuda_graph is True
     assert cli.parse_args(["--no-cuda-graph"]).cuda_graph is False
 
 
-def test_cli_flags_parse():
+def test_cli_defaults_on_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = cli.parse_args([])
+    assert args.steps == cli.GPU_DEFAULT_STEPS == 200 and args.lr_warmup_steps == 20
+    assert args.cuda_graph is True and args.precision == "bf16-mixed"
+
+
+def test_cli_flags_parse(capsys):
     args = cli.parse_args([
         "--preset", "medium", "--steps", "7", "--batch-size", "3", "--seq-len", "64", "--seed", "9",
         "--strategy", "strategy", "--compare", "--lr", "1e-3", "--dropout", "0.1", "--precision", "bf16-mixed",
-        "--out", "x", "--devices", "1", "--data", "f.txt", "--graph-warmup", "1", "--warmup-steps", "2",
+        "--out", "x", "--devices", "1", "--data", "f.txt", "--graph-warmup-steps", "1", "--lr-warmup-steps", "2",
     ])
     assert (args.config.n_layer, args.config.batch_size, args.config.seq_len, args.config.dropout) == (24, 3, 64, 0.1)
     assert (args.steps, args.seed, args.strategy, args.compare, args.lr) == (7, 9, "strategy", True, 1e-3)
-    assert (args.precision, args.out, args.data, args.warmup_steps) == ("bf16-mixed", "x", "f.txt", 2)
+    assert (args.precision, args.out, args.data) == ("bf16-mixed", "x", "f.txt")
+    assert (args.lr_warmup_steps, args.graph_warmup_steps) == (2, 1)
     assert args.timing_skip == 3  # graph warm-up 1 + capture + 1
     assert cli.parse_args(["--steps", "3"]).timing_skip == 2  # always leaves a step to time
+    assert capsys.readouterr().err == ""  # the new spellings print no deprecation notice
+
+
+def test_cli_old_warmup_spellings_still_work_and_say_what_to_type(capsys):
+    args = cli.parse_args(["--warmup-steps", "7", "--graph-warmup", "2"])
+    assert (args.lr_warmup_steps, args.graph_warmup_steps) == (7, 2)
+    err = capsys.readouterr().err
+    assert "--warmup-steps is deprecated, use --lr-warmup-steps" in err
+    assert "--graph-warmup is deprecated, use --graph-warmup-steps" in err
+
+
+def test_cli_graph_warmup_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--graph-warmup-steps", "0"])
+    err = capsys.readouterr().err
+    assert "--graph-warmup-steps" in err and "must be >= 1" in err
 
 
 @pytest.mark.parametrize(
@@ -417,14 +464,24 @@ def test_cli_rejects_bad_combinations(argv, match):
         cli.parse_args(argv)
 
 
-def test_help_lists_every_flag(capsys):
+def test_help_lists_every_flag_and_the_preset_sizes(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
     out = capsys.readouterr().out
     for flag in ("--cuda-graph", "--no-cuda-graph", "--strategy", "--fp8", "--preset", "--steps", "--batch-size",
                  "--seq-len", "--seed", "--compare", "--data", "--lr", "--dropout", "--precision", "--out",
-                 "--devices"):
+                 "--devices", "--lr-warmup-steps", "--graph-warmup-steps"):
         assert flag in out, flag
+    # the ambiguous old spellings are hidden (they still parse, see above)
+    assert "--warmup-steps " not in out and "--graph-warmup " not in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in (["tiny"], ["small"], ["medium"])}
+    assert set(rows) == set(PRESETS)
+    for name, cfg in PRESETS.items():
+        layers, d_model, heads, seq, batch, params = rows[name]
+        assert (int(layers), int(d_model), int(heads), int(seq), int(batch)) == (
+            cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.batch_size)
+        assert params == f"{cfg.replace(vocab_size=256).num_params() / 1e6:.1f}M"
+    assert "50 on a CPU-only machine" in out
 
 
 def test_fp8_flag_without_te_gives_clear_message(monkeypatch, capsys, tmp_path):
@@ -513,11 +570,14 @@ def test_step_timer_copies_losses_and_times_the_window():
     assert timer.count == 5
 
 
-def _result(mode, ms, losses, speedup=None):
-    return cli.RunResult(mode=mode, steps=len(losses), measured_steps=len(losses) - 1, ms_per_step=ms,
-                         steps_per_s=1e3 / ms, tokens_per_s=1000 * 1e3 / ms, capture_time_s=0.25 if speedup else None,
-                         peak_mem_bytes=3 * 2**30, final_loss=losses[-1], val_loss=None, wall_s=1.0,
-                         losses=losses, step_ms=[ms] * len(losses), speedup=speedup)
+def _result(mode, ms, losses, speedup=None, *, requested="", replays=None):
+    r = cli.RunResult(mode=mode, steps=len(losses), measured_steps=len(losses) - 1, ms_per_step=ms,
+                      steps_per_s=1e3 / ms, tokens_per_s=1000 * 1e3 / ms, capture_time_s=0.25 if speedup else None,
+                      peak_mem_bytes=3 * 2**30, final_loss=losses[-1], val_loss=None, wall_s=1.0,
+                      losses=losses, step_ms=[ms] * len(losses), speedup=speedup, requested=requested)
+    if replays is not None:
+        r.graph_stats = {"replays": replays, "captures": int(replays > 0), "eager_reasons": {}}
+    return r
 
 
 def test_summary_table_and_parity():
@@ -536,11 +596,65 @@ def test_summary_table_and_parity():
     assert cli._json_safe({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}
 
 
+def test_a_run_that_replayed_is_graphed_and_gets_a_speedup():
+    """The GPU case: the plugin replayed steps, so the run is "graphed" and eager/graphed ms is its speedup."""
+    eager = _result("eager", 20.0, [5.0, 4.0], requested="eager")
+    graphed = cli.label_run(_result("graphed", 8.0, [5.0, 4.0], requested="graphed", replays=5), None,
+                            has_cuda=True)
+    assert graphed.mode == "graphed" and graphed.not_graphed_reason is None
+    assert cli.assign_speedups([eager, graphed]) is None
+    assert (eager.speedup, graphed.speedup) == (1.0, pytest.approx(2.5))
+    assert "2.50x" in cli.format_summary([eager, graphed]).splitlines()[3]
+    assert graphed.as_dict()["replayed"] == 5
+    title = cli.compare_title([eager, graphed], preset="tiny", device="H200")
+    assert title == "gpt-pretrain --preset tiny: eager vs CUDA-graphed (H200)"
+
+
+def test_a_run_that_replayed_nothing_is_not_called_graphed_and_gets_no_speedup():
+    """The CPU case (issue 16): the plugin was attached but replayed no step, so nothing may say "graphed"."""
+    plugin = SimpleNamespace(eager_reason="no CUDA device is available")
+    eager = _result("eager", 20.0, [5.0, 4.0], requested="eager")
+    attached = cli.label_run(_result("graphed", 6.0, [5.0, 4.0], requested="graphed", replays=0), plugin,
+                             has_cuda=False)
+    assert attached.mode == cli.NOT_REPLAYED_MODE == "eager+plugin"
+    assert attached.not_graphed_reason == "no CUDA device is available"
+    note = cli.assign_speedups([eager, attached])
+    assert note is not None and "no step was replayed (no CUDA device is available)" in note
+    assert eager.speedup is None and attached.speedup is None
+    table = cli.format_summary([eager, attached])
+    assert "graphed" not in table and "x " not in table + " " and "3.33" not in table
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["eager", "eager+plugin"]
+    assert attached.as_dict()["replayed"] == 0 and attached.as_dict()["mode"] == "eager+plugin"
+    title = cli.compare_title([eager, attached], preset="tiny", device="cpu")
+    assert title == ("gpt-pretrain --preset tiny: eager vs eager+plugin (cpu)\n"
+                     "no step was replayed (no CUDA device is available): both runs trained eagerly, no speedup")
+    assert [label for pair in cli.plot_labels([eager, attached]) for label in pair if "graphed" in label] == []
+
+
+@pytest.mark.parametrize(
+    ("plugin", "stats", "has_cuda", "reason"),
+    [
+        (SimpleNamespace(eager_reason="capture failed: host-sync at x.py:3"), None, True,
+         "capture failed: host-sync at x.py:3"),
+        (SimpleNamespace(eager_reason=None), {"eager_reasons": {"no CUDA device": 4}}, False, "no CUDA device"),
+        (None, {"eager_reasons": {}}, False, "no CUDA device"),
+        (None, {"eager_reasons": {}}, True, "the plugin replayed no step (see its stats line)"),
+    ],
+)
+def test_not_replayed_reason_uses_the_plugins_words(plugin, stats, has_cuda, reason):
+    assert cli.not_replayed_reason(plugin, stats, has_cuda=has_cuda) == reason
+
+
 def test_compare_png(tmp_path):
-    pytest.importorskip("matplotlib")
-    path = cli.plot_compare([_result("eager", 20.0, [5.0, 4.0, 3.0]), _result("graphed", 10.0, [5.0, 4.0, 3.0])],
-                            tmp_path / "c.png", skip=1, title="t")
+    _need_matplotlib()
+    eager = _result("eager", 20.0, [5.0, 4.0, 3.0], requested="eager")
+    graphed = _result("graphed", 10.0, [5.0, 4.0, 3.0], requested="graphed", replays=2)
+    path = cli.plot_compare([eager, graphed], tmp_path / "c.png", skip=1, title="t")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    text = _png_text(path)
+    assert text["Title"] == "t"
+    assert text["Description"] == ("legend: eager (20.00 ms/step timed); "
+                                   "graphed (2 replayed, 10.00 ms/step timed)")
 
 
 def test_compare_png_without_matplotlib(monkeypatch, capsys, tmp_path):
@@ -556,24 +670,46 @@ def test_compare_png_without_matplotlib(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.skipif(not _plugin_importable(), reason="nemo_cudagraph_plugin.CudaGraphCallback not importable yet")
 @pytest.mark.parametrize("strategy", ["callback", "strategy"])
-def test_cuda_graph_flag_on_cpu_constructs_plugin_and_trains_eagerly(strategy, capsys, tmp_path):
+def test_cuda_graph_flag_on_cpu_constructs_plugin_and_trains_eagerly(strategy, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = cli.main(["--cuda-graph", "--strategy", strategy, *FAST, "--steps", "4", "--out", str(tmp_path)])
     assert rc == 0
-    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
-    assert run["mode"] == "graphed" and run["graph_stats"] is not None
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "results.json").read_text())
+    run = report["runs"][0]
+    assert run["mode"] == "eager+plugin" and run["requested"] == "graphed" and run["graph_stats"] is not None
+    assert run["replayed"] == 0 and run["not_graphed_reason"]
+    assert report["mode"] == "eager+plugin" and report["replayed"] == 0
     assert run["graph_stats"]["captures"] == 0 and run["graph_stats"]["replays"] == 0
     assert run["graph_summary"] and "0 graphed steps" in run["graph_summary"]
+    assert f"eager+plugin stats: {run['graph_summary']}" in out  # whatever the plugin's stats say is printed
     assert all(math.isfinite(x) for x in run["losses"]) and len(run["losses"]) == 4
 
 
 @pytest.mark.skipif(not _plugin_importable(), reason="nemo_cudagraph_plugin.CudaGraphCallback not importable yet")
-def test_compare_on_cpu_writes_table_png_and_json(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
+def test_compare_on_cpu_says_nothing_was_graphed_in_table_png_and_json(monkeypatch, capsys, tmp_path):
+    """Issue 16: on CPU the second run replays nothing; the table, PNG and JSON must not call it graphed."""
+    _need_matplotlib()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = cli.main(["--compare", *FAST, "--steps", "4", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert rc == 0 and "loss parity" in out and "graphed" in out
+    assert rc == 0 and "loss parity" in out
+    table = out[out.index("mode "):out.index("(timed over")].splitlines()
+    assert [line.split()[0] for line in table[2:]] == ["eager", "eager+plugin"]
+    assert not any(re.search(r"\d\.\d\dx", line) for line in table), table  # no speedup printed
+    assert "no speedup: no step was replayed (" in out
+    assert "eager+plugin: the plugin was attached but no step was replayed:" in out
+    assert not [line for line in out.splitlines() if line.startswith("graphed")]
     report = json.loads((tmp_path / "results.json").read_text())
-    assert [r["mode"] for r in report["runs"]] == ["eager", "graphed"]
+    assert [r["mode"] for r in report["runs"]] == ["eager", "eager+plugin"]
+    assert [r["replayed"] for r in report["runs"]] == [None, 0]
+    assert report["speedup"] is None and report["speedup_note"].startswith("no speedup: no step was replayed")
+    assert report["replayed"] == 0 and report["not_graphed_reason"]
     # same seed, both eager on CPU: identical losses
     assert report["max_abs_loss_diff"] == pytest.approx(0.0, abs=1e-6)
-    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    png = tmp_path / "compare.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = _png_text(png)
+    assert "graphed" not in text["Title"].replace("no step was replayed", "")
+    assert "eager vs eager+plugin" in text["Title"] and "no speedup" in text["Title"]
+    assert "graphed" not in text["Description"] and "eager+plugin (0 replayed" in text["Description"]

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from ._torch_compat import copy_all
+
 __all__ = ["flatten", "unflatten", "signature_of", "StaticInputs"]
 
 # Spec nodes (all hashable):
@@ -124,9 +126,6 @@ class StaticInputs:
         self.batch = unflatten(spec, self.leaves)
 
     def copy_from(self, leaves: list[torch.Tensor]) -> None:
-        """Copy a batch of the same signature into the buffers (no allocation, no sync)."""
-        for s, t in zip(self.leaves, leaves):
-            s.copy_(t, non_blocking=True)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.leaves)
+        """Copy a batch of the same signature into the buffers (no allocation, no sync; one launch)."""
+        if leaves:
+            copy_all(self.leaves, leaves)

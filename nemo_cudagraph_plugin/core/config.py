@@ -1,11 +1,19 @@
-"""Options and counters shared by every entry point (callback, strategy, recipes)."""
+"""Options and counters shared by every entry point (callback, strategy, recipes).
+
+:class:`CaptureConfig` is the one definition of the options: their names, types, defaults and
+checks. ``CudaGraphCallback`` and ``CudaGraphStrategy`` take the same keywords; their typed
+signatures are generated from this dataclass (:func:`with_capture_options`), and their errors name
+the class and argument the user typed (``CudaGraphCallback(warmup_steps=0) is invalid: ...``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, Union
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
 
-__all__ = ["CaptureConfig", "CaptureStats"]
+__all__ = ["CaptureConfig", "CaptureStats", "with_capture_options"]
 
 NanGuardMode = Union[bool, Literal["loss", "full"]]
 
@@ -19,21 +27,24 @@ class CaptureConfig:
         warmup_steps: eager steps before the first capture. They create optimizer state and
             gradients outside the graph pool and let cuBLAS/cuDNN pick their kernels. At least 1.
             Each later input signature gets one eager step before its own capture.
-        max_graphs: graphs kept at once (one per input signature and accumulation phase).
+        max_graphs: graphs kept at once (one per input signature and step key: accumulation
+            phase, ``accumulate_grad_batches``, clipping, precision).
         on_cache_full: ``"eager"`` runs steps of new signatures eagerly once ``max_graphs`` graphs
             exist (counted in ``stats.eager_reasons``); ``"evict"`` drops the least recently used
             graph and captures the new one.
         on_capture_error: ``"raise"`` stops with a :class:`CaptureError` naming your file:line;
             ``"eager"`` warns once and trains eagerly from then on.
         nan_guard: ``True``/``"full"``: device-side finite check of the loss and of every
-            parameter's gradient norm each step; ``"loss"``: the loss only (free); ``False``: off.
-            Read on the host every ``nan_check_every`` steps and at epoch end.
+            parameter's gradient (before clipping) each step; ``"loss"``: the loss only (free);
+            ``False``: off. Read on the host every ``nan_check_every`` steps and at epoch end.
         nan_check_every: steps between host reads of the NaN flag (each read is one sync).
         nan_action: ``"raise"`` stops with :class:`NonFiniteError` naming the parameter;
             ``"skip"`` skips the optimizer update on the device (fused Adam/AdamW/SGD ``found_inf``)
             and reports how many steps were skipped.
         verify_steps: the first N graphed steps are also run eagerly from the same state and
             compared (loss, gradient norm, parameters); a mismatch raises :class:`ParityError`.
+            Verification leaves training as an unverified run would (every state the step
+            writes is restored before the graph's step runs).
         verify_rtol: relative tolerance of that comparison (0.0 = bitwise).
         sync_check: run the last warm-up step with ``torch.cuda.set_sync_debug_mode("error")`` so a
             host sync in the step is reported at your line before capture is attempted.
@@ -61,43 +72,29 @@ class CaptureConfig:
     align_pp_transposes: bool = False
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: Any, want: str) -> ValueError:
-            return ValueError(f"CaptureConfig.{name}={value!r} is invalid: {want}.")
-
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 1:
-            raise bad(
-                "warmup_steps",
-                self.warmup_steps,
-                "use an int >= 1 (optimizer state and gradients must be created by an eager step)",
-            )
-        if not isinstance(self.max_graphs, int) or self.max_graphs < 1:
-            raise bad("max_graphs", self.max_graphs, "use an int >= 1")
-        if self.on_cache_full not in ("eager", "evict"):
-            raise bad("on_cache_full", self.on_cache_full, "use 'eager' or 'evict'")
-        if self.on_capture_error not in ("raise", "eager"):
-            raise bad("on_capture_error", self.on_capture_error, "use 'raise' or 'eager'")
-        if self.nan_guard not in (True, False, "loss", "full"):
-            raise bad("nan_guard", self.nan_guard, "use True, False, 'loss' or 'full'")
-        if not isinstance(self.nan_check_every, int) or self.nan_check_every < 1:
-            raise bad("nan_check_every", self.nan_check_every, "use an int >= 1")
-        if self.nan_action not in ("raise", "skip"):
-            raise bad("nan_action", self.nan_action, "use 'raise' or 'skip'")
-        if not isinstance(self.verify_steps, int) or self.verify_steps < 0:
-            raise bad("verify_steps", self.verify_steps, "use an int >= 0")
-        if not (self.verify_rtol >= 0.0):
-            raise bad("verify_rtol", self.verify_rtol, "use a float >= 0")
-        if self.fp8_refresh not in (True, False, "auto"):
-            raise bad("fp8_refresh", self.fp8_refresh, "use True, False or 'auto'")
-        if self.align_pp_transposes:
-            if self.fp8_refresh is False:
-                raise bad("fp8_refresh", False, "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
-            self.fp8_refresh = True
+        _check(self, "CaptureConfig")
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> CaptureConfig:
-        """Build from a mapping that may hold other names too (e.g. an ``__init__``'s ``locals()``)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in options.items() if k in names})
+    def build(cls, config: Optional[CaptureConfig], options: Mapping[str, Any], owner: str) -> CaptureConfig:
+        """The config an entry point was given: ``config`` (copied) with ``options`` applied.
+
+        Errors name ``owner`` (the class the user called) and the argument they typed.
+        """
+        names = option_names()
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{owner}() got an unexpected option {unknown[0]!r}; the options are: {', '.join(names)}."
+            )
+        if config is not None and not isinstance(config, CaptureConfig):
+            raise TypeError(f"{owner}(config=...) must be a CaptureConfig, got {type(config).__name__}.")
+        base = asdict(config) if config is not None else {}
+        merged = cls.__new__(cls)
+        for f in fields(cls):
+            value = options.get(f.name, base.get(f.name, f.default))
+            setattr(merged, f.name, value)
+        _check(merged, owner, typed=set(options))
+        return merged
 
     @property
     def nan_mode(self) -> str:
@@ -105,6 +102,74 @@ class CaptureConfig:
         if self.nan_guard is False:
             return "off"
         return "full" if self.nan_guard in (True, "full") else "loss"
+
+
+def option_names() -> list[str]:
+    """The option names, in declaration order."""
+    return [f.name for f in fields(CaptureConfig)]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# name -> (is the value valid?, what to use instead). The one definition of each option's check.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "enabled": (lambda v: isinstance(v, bool), "use True or False"),
+    "warmup_steps": (
+        lambda v: _is_int(v) and v >= 1,
+        "use an int >= 1 (optimizer state and gradients must be created by an eager step)",
+    ),
+    "max_graphs": (lambda v: _is_int(v) and v >= 1, "use an int >= 1"),
+    "on_cache_full": (lambda v: v in ("eager", "evict"), "use 'eager' or 'evict'"),
+    "on_capture_error": (lambda v: v in ("raise", "eager"), "use 'raise' or 'eager'"),
+    "nan_guard": (lambda v: v in (True, False, "loss", "full") and not _is_int(v), "use True, False, 'loss' or 'full'"),
+    "nan_check_every": (lambda v: _is_int(v) and v >= 1, "use an int >= 1"),
+    "nan_action": (lambda v: v in ("raise", "skip"), "use 'raise' or 'skip'"),
+    "verify_steps": (lambda v: _is_int(v) and v >= 0, "use an int >= 0"),
+    "verify_rtol": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0.0, "use a float >= 0"),
+    "sync_check": (lambda v: isinstance(v, bool), "use True or False"),
+    "fp8_refresh": (lambda v: v in (True, False, "auto") and not _is_int(v), "use True, False or 'auto'"),
+    "align_pp_transposes": (lambda v: isinstance(v, bool), "use True or False"),
+}
+
+
+def _check(cfg: CaptureConfig, owner: str, typed: Optional[set[str]] = None) -> None:
+    """Validate every option; the error shows the call as the user wrote it."""
+
+    def bad(name: str, want: str) -> ValueError:
+        return ValueError(f"{owner}({name}={getattr(cfg, name)!r}) is invalid: {want}.")
+
+    for name in option_names():
+        ok, want = _RULES[name]
+        if not ok(getattr(cfg, name)):
+            raise bad(name, want)
+    if cfg.align_pp_transposes:
+        if cfg.fp8_refresh is False:
+            raise bad("fp8_refresh", "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
+        cfg.fp8_refresh = True
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_capture_options(init: F) -> F:
+    """Give ``init(self, <leading params>, config=None, **options)`` the typed keyword signature of
+    every :class:`CaptureConfig` option (for IDEs' runtime help, ``inspect.signature``, nemo_run /
+    fiddle configs and YAML), generated from the dataclass so the options are written once.
+    """
+    sig = inspect.signature(init)
+    lead = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    hints = get_type_hints(CaptureConfig)
+    opts = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in fields(CaptureConfig)
+        if f.default is not MISSING
+    ]
+    init.__signature__ = sig.replace(parameters=[*lead, *opts])  # type: ignore[attr-defined]
+    init.__annotations__ = {**{k: v for k, v in init.__annotations__.items() if k != "options"},
+                            **{p.name: p.annotation for p in opts}}
+    return init
 
 
 @dataclass

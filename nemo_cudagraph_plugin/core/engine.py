@@ -3,26 +3,57 @@
 Framework-free: the engine is handed a step function ``fn(batch) -> outputs`` that performs one
 complete training step (zero-grad, forward, backward, clipping, optimizer step — whatever the
 caller puts in it) and decides, per call, whether to run it eagerly, capture it, or replay a
-graph captured earlier for the same input signature.
+graph captured earlier for the same key.
 
-Lifecycle of one input signature (shapes, dtypes, non-tensor leaves, plus the caller's
-``phase`` such as "accumulate" vs "step")::
+**The key** of a graph is everything it baked in that can differ between steps, and it is the
+only thing compared before a replay::
+
+    (input signature, step key)
+     input signature = structure of the batch, its non-tensor leaves, each tensor's
+                       shape/dtype/device/stride                        (buffers.signature_of)
+     step key        = what the adapter says the step depends on as Python values; for
+                       Lightning: zero_grad?, optimizer step?, accumulate_grad_batches,
+                       gradient clipping value/algorithm, precision    (lightning._compat.step_key)
+
+Values a graph bakes in that are *not* in the key are checked by **guards** run before every
+step — eager, capture or replay — so a capture never freezes a value a guard would have fixed:
+for Lightning, the optimizer's learning rate (a device tensor the guard keeps current) and every
+other float hyperparameter (a change re-captures; a scheduled change is refused).
+
+Lifecycle of one key::
 
     eager warm-up (side stream) -> [last warm-up with sync check] -> capture -> replay, replay, ...
 
-What is captured: every CUDA kernel and copy ``fn`` launches on the capture stream. What is not:
-Python side effects of ``fn`` (counters, hooks, prints) run once, at capture; the caller repeats
-what it needs after each replay (``after_replay``). Hazards covered here:
+What is captured: every device kernel and copy ``fn`` launches on the capture stream. What is
+not: Python side effects of ``fn`` (counters, hooks, prints) run once, at capture; the caller
+repeats what it needs after each replay (``after_replay``). Hazards covered here:
 
-* inputs at fixed addresses: :class:`~.buffers.StaticInputs`, one ``copy_`` per tensor leaf;
-* wrong-shape replay: graphs are keyed by the full signature, never reused across shapes;
+* inputs at fixed addresses: :class:`~.buffers.StaticInputs`, copied in before each replay;
 * outputs overwritten by the next replay: tensor outputs are cloned after every replay;
-* host syncs inside the step: the last warm-up runs under ``set_sync_debug_mode("error")`` and
-  failures are reported at the user's file:line (:mod:`.errors`);
-* re-allocated state (parameters, gradients, optimizer state replaced after capture): addresses
-  are recorded at capture and compared whenever the caller marks the engine :attr:`dirty`;
-* random numbers: the default CUDA generator is advanced per replay by torch; extra generators
-  are registered through :class:`~.rng.GeneratorRegistry`.
+* host syncs inside the step: the last warm-up runs with sync errors on and failures are
+  reported at the user's file:line (:mod:`.errors`);
+* re-allocated state: each graph records the address of every tensor it reads or writes across
+  steps (parameters, gradients, optimizer state, buffers) and keeps that memory alive. Before a
+  replay the parameters' addresses are compared (swaps such as ``p.data = ...``, ``module.to``,
+  ``torch.utils.swap_tensors``, EMA weight swaps); gradients, optimizer state and buffers are
+  watched by weak references (replacing one marks the engine dirty) and compared in full when
+  dirty and after every eager step (state created later, e.g. a gradient that first appears for a
+  longer sequence, makes the graphs captured without it stale). A mismatch drops those graphs
+  (one warning) and they are captured again;
+* gradients owned by the graph: a step that zeroes gradients and steps the optimizer
+  (``fresh_grads=True``: nothing accumulates across steps) is captured with the gradients set to
+  ``None`` first, as ``zero_grad(set_to_none=True)`` leaves them in eager training. Backward then
+  writes them fresh into the graph's memory (no zeroing kernel, no accumulation kernel per
+  parameter), and a parameter without a gradient in this step is skipped by the optimizer exactly
+  as in eager training. Such a graph depends on no gradient address; its gradients are temporaries
+  of the shared pool, so after a replay ``param.grad`` holds this step's gradients only when it is
+  the most recently captured graph (read gradients inside the step, e.g. in
+  ``on_before_optimizer_step``);
+* random numbers: the default generator is advanced per replay by the backend; extra generators
+  are registered through :class:`~.rng.GeneratorRegistry`;
+* ``verify_steps``: the eager half records every tensor it writes (and the adapter's
+  ``mutable_fn`` tensors, generators, host counters) and restores them before the graph's step
+  runs, so verification leaves training exactly as an unverified run.
 """
 
 from __future__ import annotations
@@ -30,13 +61,16 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from .backend import GraphBackend, default_backend
 from .buffers import StaticInputs, flatten, signature_of, unflatten
 from .config import CaptureConfig, CaptureStats
 from .errors import CaptureError, ParityError, capture_error_from
@@ -47,22 +81,45 @@ __all__ = ["CaptureEngine", "GraphEntry"]
 
 StepFn = Callable[[Any], Any]
 Guard = Callable[[], Optional[str]]
+Named = Union[Tensor, tuple[str, Tensor]]
+
+_data_ptr = Tensor.data_ptr
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphEntry:
-    """One captured step: its graph, input buffers and static outputs."""
+    """One captured step: its graph, input buffers, static outputs and what it depends on."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: Any
     inputs: StaticInputs
     out_spec: Hashable
     out_leaves: list[Tensor]
-    phase: Hashable
+    key: Hashable
+    #: (name, data_ptr) of every tensor the graph reads or writes across steps, at capture
+    state: dict[str, int]
+    #: the storages of those tensors: the memory the graph addresses stays valid while it exists
+    keep: list[Any]
+    #: the graph writes the gradients fresh (captured with them set to None first)
+    owns_grads: bool = False
+    #: clone only the first N output leaves (the adapter consumes the rest before the next replay)
+    clone_first: Optional[int] = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def outputs(self) -> Any:
         # Clone: the next replay overwrites the static outputs, and a user may keep this step's loss.
-        return unflatten(self.out_spec, [t.clone() for t in self.out_leaves])
+        leaves, n = self.out_leaves, self.clone_first
+        if n is None:
+            return unflatten(self.out_spec, [t.clone() for t in leaves])
+        return unflatten(self.out_spec, [t.clone() for t in leaves[:n]] + leaves[n:])
+
+
+class _Flag:
+    """A mutable bool that weak-reference callbacks can set without keeping the engine alive."""
+
+    __slots__ = ("dirty",)
+
+    def __init__(self) -> None:
+        self.dirty = False
 
 
 class CaptureEngine:
@@ -70,15 +127,20 @@ class CaptureEngine:
 
     Args:
         config: options (warm-up, cache size, error policy, verification).
-        device: the CUDA device the step runs on.
-        named_params: the model's ``(name, parameter)`` pairs; their data and gradients must keep
-            their addresses between capture and replay.
-        state_fn: returns every other tensor the step reads or writes across steps (optimizer
-            state, learning-rate tensors); called at capture and on :attr:`dirty` checks only.
-        generators: extra CUDA generators to register with each graph.
+        device: the device the step runs on.
+        named_params: the model's trainable ``(name, parameter)`` pairs.
+        state_fn: every other tensor the step reads or writes across steps (optimizer state,
+            learning-rate tensors), as tensors or ``(name, tensor)``; called at capture and on
+            checks after eager steps, never per replay.
+        generators: extra generators to register with each graph.
         host_state: returns a function that restores host-side counters the step mutates; used
             when a failed capture or a verification run must be undone.
         stats: counters to update (one shared :class:`CaptureStats` per trainer).
+        backend: the device interface (:class:`~.backend.CudaBackend` by default).
+        watched_fn: other ``(name, tensor)`` pairs a graph reads (frozen parameters, module
+            buffers): their addresses are recorded and checked like ``state_fn``'s.
+        mutable_fn: tensors the step writes without going through torch's dispatcher (e.g.
+            TransformerEngine's FP8 scaling state): snapshotted around ``verify_steps``.
     """
 
     def __init__(
@@ -86,19 +148,26 @@ class CaptureEngine:
         config: CaptureConfig,
         device: torch.device,
         named_params: Sequence[tuple[str, Tensor]],
-        state_fn: Callable[[], list[Tensor]] = lambda: [],
+        state_fn: Callable[[], Sequence[Named]] = lambda: [],
         generators: Optional[GeneratorRegistry] = None,
         host_state: Optional[Callable[[], Callable[[], None]]] = None,
         stats: Optional[CaptureStats] = None,
+        *,
+        backend: Optional[GraphBackend] = None,
+        watched_fn: Callable[[], Sequence[tuple[str, Tensor]]] = lambda: [],
+        mutable_fn: Callable[[], Sequence[Tensor]] = lambda: [],
     ) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"CaptureEngine needs a CUDA device, got {device}")
-        if device.index is None:
+        self.backend = default_backend(backend)
+        if device.type != self.backend.device_type:
+            raise ValueError(f"CaptureEngine needs a {self.backend.device_type.upper()} device, got {device}")
+        if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
         self.device = device
         self.named_params = list(named_params)
         self.state_fn = state_fn
+        self.watched_fn = watched_fn
+        self.mutable_fn = mutable_fn
         self.generators = generators or GeneratorRegistry()
         self.host_state = host_state or (lambda: (lambda: None))
         self.stats = stats or CaptureStats()
@@ -111,78 +180,106 @@ class CaptureEngine:
         self.capture_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
         self.post_capture_checks: list[Callable[[], None]] = []
         self.disabled_reason: Optional[str] = None
-        self.dirty = False
-        self._pool: Optional[tuple] = None
-        self._stream: Optional[torch.cuda.Stream] = None
+        self._flag = _Flag()
+        self._pool: Any = None
+        self._stream: Any = None
         self._warmup_left = config.warmup_steps
         self._seen: set[Hashable] = set()
-        self._ptrs: Optional[list[tuple[str, int]]] = None
         self._verify_left = config.verify_steps
+        # Per-replay address check: every parameter (trainable and frozen) and its address at capture.
+        self._scan: list[Tensor] = [p for _, p in self.named_params]
+        self._scan_ptrs: list[int] = list(map(_data_ptr, self._scan))
 
     # ------------------------------------------------------------------------------------------
     # public entry
     # ------------------------------------------------------------------------------------------
-    def step(self, batch: Any, phase: Hashable, fn: StepFn, quiet_fn: Optional[StepFn] = None) -> Any:
+    @property
+    def dirty(self) -> bool:
+        """Something a graph depends on may have been re-allocated: check addresses before a replay."""
+        return self._flag.dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._flag.dirty = value
+
+    def step(
+        self,
+        batch: Any,
+        key: Hashable,
+        fn: StepFn,
+        quiet_fn: Optional[StepFn] = None,
+        fresh_grads: bool = False,
+    ) -> Any:
         """Run one training step on ``batch``.
 
         Args:
             batch: the step's input (nested tensors); copied into static buffers on replay.
-            phase: extra key (e.g. whether this step zeroes gradients / steps the optimizer):
-                steps of different phases never share a graph.
+            key: the step key: every Python value the step depends on besides the batch (see the
+                module docstring). Steps of different keys never share a graph.
             fn: performs the step eagerly or, during capture, records it.
             quiet_fn: like ``fn`` but without host-visible side effects (logging); used for the
                 eager half of ``verify_steps``. Defaults to ``fn``.
+            fresh_grads: the step zeroes every gradient before backward and steps the optimizer
+                (no accumulation across steps), so its graph may own the gradients.
         """
         leaves, spec = flatten(batch)
-        key = (signature_of(leaves, spec), phase)
-        entry = self.cache.get(key)
-        if entry is not None:
-            if self.dirty:
-                self.revalidate()
-                entry = self.cache.get(key)
-            for guard in self.guards:
-                reason = guard()
-                if reason is not None:
-                    self.invalidate(reason)
-                    entry = None
-                    break
-        if entry is not None:
-            entry.inputs.copy_from(leaves)
-            if self._verify_left > 0:
-                return self._verified_replay(entry, batch, quiet_fn or fn)
-            entry.graph.replay()
-            self.stats.replays += 1
-            if self.after_replay is not None:
-                self.after_replay(entry)
-            return entry.outputs()
-        return self._miss(key, leaves, spec, batch, phase, fn)
+        full_key = (signature_of(leaves, spec), key)
+        # Guards run before every step (not only before replays): a capture must never bake in a
+        # value the guard would have fixed (a float learning rate assigned before this step, say).
+        for guard in self.guards:
+            reason = guard()
+            if reason is not None:
+                self.invalidate(reason)
+                break
+        entry = self.cache.get(full_key)
+        if entry is not None and (self._flag.dirty or list(map(_data_ptr, self._scan)) != self._scan_ptrs):
+            self.revalidate()
+            entry = self.cache.get(full_key)
+        if entry is None:
+            return self._miss(full_key, leaves, spec, batch, fn, fresh_grads)
+        entry.inputs.copy_from(leaves)
+        if self._verify_left > 0:
+            return self._verified_replay(entry, batch, quiet_fn or fn)
+        entry.graph.replay()
+        self.stats.replays += 1
+        if self.after_replay is not None:
+            self.after_replay(entry)
+        return entry.outputs()
 
     def invalidate(self, reason: str) -> None:
-        """Drop every graph; the next steps warm up (one eager step per signature) and re-capture."""
+        """Drop every graph; the next steps warm up (one eager step per key) and re-capture."""
         if len(self.cache):
             warnings.warn(f"CUDA graphs re-captured: {reason}", stacklevel=3)
             self.stats.recaptures += len(self.cache)
         self.cache.clear()
         self._seen.clear()
-        self._ptrs = None
         self.stats.graphs = 0
-        self.dirty = False
+        self._flag.dirty = False
 
     def revalidate(self) -> None:
-        """Compare recorded state addresses with the live ones; invalidate graphs on a change."""
-        self.dirty = False
-        if self._ptrs is None:
+        """Compare each graph's recorded addresses with the live ones; drop the graphs that differ."""
+        self._flag.dirty = False
+        if not len(self.cache):
             return
-        now = self._state_ptrs()
-        if now != self._ptrs:
-            changed = next((a for a, b in zip(self._ptrs, now) if a != b), None) or (
-                "number of state tensors",
-                len(now),
+        now = self._state_now()
+        stale: list[tuple[Hashable, str]] = []
+        for key in list(self.cache.keys()):
+            entry = self.cache.peek(key)
+            why = _difference(entry, now)
+            if why is not None:
+                stale.append((key, why))
+        for key, _ in stale:
+            self.cache.pop(key)
+            self._seen.discard(key)
+        if stale:
+            self.stats.recaptures += len(stale)
+            self.stats.graphs = len(self.cache)
+            warnings.warn(
+                f"CUDA graphs re-captured ({len(stale)} of {len(stale) + len(self.cache)}): {stale[0][1]}; "
+                "re-capturing instead of replaying stale memory",
+                stacklevel=3,
             )
-            self.invalidate(
-                f"'{changed[0]}' was re-allocated after capture (e.g. load_state_dict replaced a tensor, or "
-                "gradients were set to None); re-capturing instead of replaying stale memory"
-            )
+        self._scan_ptrs = list(map(_data_ptr, self._scan))
 
     def disable(self, reason: str) -> None:
         """Stop capturing for the rest of training (one warning); steps run eagerly."""
@@ -193,24 +290,49 @@ class CaptureEngine:
         self.stats.graphs = 0
 
     # ------------------------------------------------------------------------------------------
-    # internals
+    # state bookkeeping
     # ------------------------------------------------------------------------------------------
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
-
-    def _state_ptrs(self) -> list[tuple[str, int]]:
-        out: list[tuple[str, int]] = []
+    def _named_state(self, with_grads: bool = True) -> list[tuple[str, Tensor]]:
+        """Every tensor a graph reads or writes across steps, named for messages."""
+        out: list[tuple[str, Tensor]] = []
         for name, p in self.named_params:
-            out.append((name, p.data_ptr()))
-            if p.grad is not None:
-                out.append((name + ".grad", p.grad.data_ptr()))
-        for i, t in enumerate(self.state_fn()):
-            out.append((f"optimizer/extra state tensor #{i}", t.data_ptr()))
+            out.append((name, p))
+            if with_grads and p.grad is not None:
+                out.append((name + ".grad", p.grad))
+        for i, item in enumerate(self.state_fn()):
+            out.append(item if isinstance(item, tuple) else (f"optimizer/extra state tensor #{i}", item))
+        out.extend(self.watched_fn())
         return out
 
-    def _miss(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, phase: Hashable, fn: StepFn) -> Any:
+    def _state_now(self) -> dict[str, int]:
+        return {name: t.data_ptr() for name, t in self._named_state()}
+
+    def _watch(self, tensors: list[tuple[str, Tensor]]) -> list[weakref.ref]:
+        """Weak references that mark the engine dirty when one of these tensor objects is replaced
+        and freed (kept with the graph that depends on them)."""
+        flag = self._flag
+
+        def freed(_ref: weakref.ref, flag: _Flag = flag) -> None:
+            flag.dirty = True
+
+        # Parameters are scanned before every replay instead (their objects outlive a `.data` swap).
+        return [weakref.ref(t, freed) for _, t in tensors if not isinstance(t, torch.nn.Parameter)]
+
+    def _after_eager(self) -> None:
+        """State may have been created by an eager step (first gradient of a parameter, lazy
+        optimizer state): graphs captured without it must not replay."""
+        if len(self.cache):
+            self._flag.dirty = True
+
+    # ------------------------------------------------------------------------------------------
+    # internals
+    # ------------------------------------------------------------------------------------------
+    def _side_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = self.backend.side_stream(self.device)
+        return self._stream
+
+    def _miss(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, fn: StepFn, fresh_grads: bool) -> Any:
         cfg = self.config
         if self.disabled_reason is not None:
             self.stats.count_eager("disabled")
@@ -219,25 +341,34 @@ class CaptureEngine:
             self._warmup_left -= 1
             self._seen.add(key)
             self.stats.warmup_steps += 1
-            return self._warmup(fn, batch, sync_check=cfg.sync_check and self._warmup_left == 0)
+            out = self._warmup(fn, batch, sync_check=cfg.sync_check and self._warmup_left == 0)
+            self._after_eager()
+            return out
         if key not in self._seen:
-            # A new signature (or a re-capture) gets one eager step first: shape-specific lazy
-            # state and library plans are then created outside the graph pool.
+            # A new key (or a re-capture) gets one eager step first: shape-specific lazy state and
+            # library plans are then created outside the graph pool.
             self._seen.add(key)
             self.stats.count_eager("new-signature warm-up")
-            return self._warmup(fn, batch, sync_check=cfg.sync_check)
+            out = self._warmup(fn, batch, sync_check=cfg.sync_check)
+            self._after_eager()
+            return out
         if self.cache.full():
             if cfg.on_cache_full == "eager":
                 self.stats.count_eager("graph cache full")
-                return fn(batch)
+                out = fn(batch)
+                self._after_eager()
+                return out
             self.cache.evict_lru()
             self.stats.graphs = len(self.cache)
-        return self._capture(key, leaves, spec, batch, phase, fn)
+        if self._flag.dirty:
+            self.revalidate()
+        return self._capture(key, leaves, spec, batch, fn, fresh_grads)
 
     def _warmup(self, fn: StepFn, batch: Any, sync_check: bool) -> Any:
         """Eager step on the side stream; optionally with host syncs turned into errors."""
+        be = self.backend
         s = self._side_stream()
-        cur = torch.cuda.current_stream(self.device)
+        cur = be.current_stream(self.device)
         s.wait_stream(cur)
         restore = self.host_state() if sync_check else None
         backup = None
@@ -246,14 +377,10 @@ class CaptureEngine:
             # eager fallback does not accumulate them twice. Only then: it costs one gradient copy.
             backup = [(p, None if p.grad is None else p.grad.clone()) for _, p in self.named_params]
         try:
-            with torch.cuda.stream(s):
+            with be.use_stream(s):
                 if sync_check:
-                    prev = torch.cuda.get_sync_debug_mode()
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
+                    with be.sync_errors():
                         out = fn(batch)
-                    finally:
-                        torch.cuda.set_sync_debug_mode(prev)
                 else:
                     out = fn(batch)
         except Exception as exc:  # noqa: BLE001 - re-raised as a CaptureError or handled below
@@ -273,47 +400,77 @@ class CaptureEngine:
         cur.wait_stream(s)
         return out
 
-    def _capture(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, phase: Hashable, fn: StepFn) -> Any:
+    def _capture(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, fn: StepFn, fresh_grads: bool) -> Any:
         t0 = time.perf_counter()
+        be = self.backend
         inputs = StaticInputs(leaves, spec, self.device)
-        graph = torch.cuda.CUDAGraph()
+        graph = be.new_graph()
         self.generators.apply(graph)
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        before = self._state_ptrs()
+            self._pool = be.pool()
+        owns = fresh_grads
+        saved_grads: list[tuple[Tensor, Optional[Tensor]]] = []
+        if owns:
+            # Backward then writes fresh gradients into the graph's memory: no zeroing kernel and no
+            # accumulation per parameter, and the optimizer skips parameters that get none.
+            saved_grads = [(p, p.grad) for _, p in self.named_params]
+            for p, _ in saved_grads:
+                p.grad = None
+        before = dict(self._named_state(with_grads=not owns))
+        before_ptrs = {n: t.data_ptr() for n, t in before.items()}
         restore = self.host_state()
+
+        def undo() -> None:
+            restore()
+            for p, g in saved_grads:
+                p.grad = g
+
         try:
             with contextlib.ExitStack() as checks:
                 for make in self.capture_contexts:
                     checks.enter_context(make())
-                with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream(), capture_error_mode="thread_local"):
+                with be.capture(graph, self._pool, self._side_stream()):
                     out = fn(inputs.batch)
             for check in self.post_capture_checks:
                 check()
         except CaptureError as err:  # a hazard check refused this capture
-            restore()
+            undo()
             return self._handle_capture_error(err, err, fn, batch)
         except Exception as exc:  # noqa: BLE001
             original = _root_cause(exc)
-            restore()
+            undo()
             err = capture_error_from(original, "capture")
             return self._handle_capture_error(err, original, fn, batch)
-        after = self._state_ptrs()
-        if after != before:
-            changed = next((b for a, b in zip(before, after) if a != b), ("a state tensor", 0))
-            restore()
+        named_after = self._named_state()
+        moved = next(
+            (n for n, t in named_after if n in before_ptrs and t.data_ptr() != before_ptrs[n]), None
+        ) or next((n for n in before_ptrs if n not in dict(named_after)), None)
+        if moved is not None:
+            undo()
             err = CaptureError(
-                f"'{changed[0]}' was re-allocated inside the captured step, so a replay would write memory nothing "
-                "reads. Typical causes: zero_grad(set_to_none=True) or `param.grad = None` inside training_step or "
-                "a hook it calls, or a parameter replaced in forward. Zero gradients in place "
-                "(optimizer.zero_grad(set_to_none=False)) and keep parameters fixed.",
+                f"'{moved}' was re-allocated inside the captured step, so a replay would write memory nothing "
+                "reads. Typical causes: `param.grad = None` inside training_step or a hook it calls, or a parameter "
+                "replaced in forward. Zero gradients with optimizer.zero_grad() and keep parameters fixed.",
                 rule="reallocation",
             )
             return self._handle_capture_error(err, err, fn, batch)
         out_leaves, out_spec = flatten(out)
-        entry = GraphEntry(graph, inputs, out_spec, out_leaves, phase)
+        # A gradient this (non-owning) capture created is written fresh by the graph, not accumulated:
+        # right for this step (eager had no gradient either), stale from the next step on. Recording it
+        # as absent makes the next check drop the graph, so it is captured again with the gradient.
+        state = {n: t.data_ptr() for n, t in named_after if owns or n in before_ptrs or not n.endswith(".grad")}
+        grads = {n for n, _ in named_after if n.endswith(".grad")} if owns else set()
+        # The memory a graph addresses stays allocated while it exists; owned gradients are the
+        # graph's own pool memory (other graphs' captures may reuse it between replays).
+        watched = [(n, t) for n, t in named_after if n not in grads]
+        keep = [t.untyped_storage() for _, t in watched]
+        entry = GraphEntry(graph, inputs, out_spec, out_leaves, key, state, keep, owns_grads=owns)
+        entry.meta["watch"] = self._watch(watched)
         self.cache.put(key, entry)
-        self._ptrs = after
+        self._scan = [p for _, p in self.named_params] + [
+            t for _, t in self.watched_fn() if isinstance(t, torch.nn.Parameter)
+        ]
+        self._scan_ptrs = list(map(_data_ptr, self._scan))
         self.stats.captures += 1
         self.stats.graphs = len(self.cache)
         if self.on_capture is not None:
@@ -321,6 +478,9 @@ class CaptureEngine:
         self.stats.capture_time_s += time.perf_counter() - t0
         # Capture records the step without running it: run it now for this batch.
         graph.replay()
+        # Other graphs recorded the gradients' old addresses (gradients this capture created or owns).
+        if owns or len(state) != len(before_ptrs):
+            self._flag.dirty = True
         return entry.outputs()
 
     def _handle_capture_error(self, err: CaptureError, exc: BaseException, fn: StepFn, batch: Any) -> Any:
@@ -330,37 +490,56 @@ class CaptureEngine:
         self.stats.count_eager("capture error")
         return fn(batch)
 
+    # ------------------------------------------------------------------------------------------
+    # verify_steps
+    # ------------------------------------------------------------------------------------------
     def _verified_replay(self, entry: GraphEntry, batch: Any, quiet_fn: StepFn) -> Any:
-        """Replay, then run the same step eagerly from the same state and compare."""
+        """Run the step eagerly, undo everything it wrote, then replay the graph and compare.
+
+        The eager half runs first under a recorder that snapshots every pre-existing tensor before
+        its first write (parameters, gradients, optimizer state, module buffers such as BatchNorm
+        statistics, NaN-guard accumulators); those, the adapter's ``mutable_fn`` tensors, every
+        generator and the host counters are restored before the graph's step, whose effects are
+        the ones that stay. Training is then exactly that of an unverified run.
+        """
         self._verify_left -= 1
-        state = [p for _, p in self.named_params] + [
-            p.grad for _, p in self.named_params if p.grad is not None
-        ] + list(self.state_fn())
-        snap = [t.detach().clone() for t in state]
-        rng = torch.cuda.get_rng_state(self.device)
+        be = self.backend
+        rng = be.rng_state(self.device)
+        gens = self.generators.states()
+        extra = [(t, t.detach().clone()) for t in self.mutable_fn()]
         restore_host = self.host_state()
+        grads = [(p, p.grad) for _, p in self.named_params]  # eager zero_grad may set them to None
+        with _WriteRecorder() as rec:
+            out_eager = quiet_fn(batch)
+        eager_vals = _metrics(out_eager, self.named_params)
+        post_eager = [p.detach().clone() for _, p in self.named_params]
+        rec.restore()
+        for p, g in grads:
+            p.grad = g
+        with torch.no_grad():
+            for t, v in extra:
+                t.copy_(v)
+        self.generators.set_states(gens)
+        be.set_rng_state(rng, self.device)
+        restore_host()
         entry.graph.replay()
         self.stats.replays += 1
         out_graph = entry.outputs()
         graph_vals = _metrics(out_graph, self.named_params)
-        post_graph = [p.detach().clone() for _, p in self.named_params]
-        # Same state, same random numbers, eagerly.
-        with torch.no_grad():
-            for t, s in zip(state, snap):
-                t.copy_(s)
-        torch.cuda.set_rng_state(rng, self.device)
-        out_eager = quiet_fn(batch)
-        restore_host()
-        eager_vals = _metrics(out_eager, self.named_params)
+        if entry.owns_grads and any(
+            p.grad is not None and p.grad.data_ptr() != entry.state.get(n + ".grad") for n, p in self.named_params
+        ):
+            # The parameters' .grad is another graph's memory now: this graph's gradients are not visible.
+            eager_vals.pop("grad_norm", None)
         rtol = self.config.verify_rtol
         problems = []
-        for k in graph_vals:
-            a, b = graph_vals[k], eager_vals.get(k)
-            if b is None or not _close(a, b, rtol):
+        for k in eager_vals:
+            a, b = graph_vals.get(k), eager_vals[k]
+            if a is None or not _close(a, b, rtol):
                 problems.append(f"{k}: graph {a!r} vs eager {b!r}")
-        for (name, p), g in zip(self.named_params, post_graph):
-            if not _close_t(g, p.detach(), rtol):
-                diff = (g.float() - p.detach().float()).abs().max().item()
+        for (name, p), e in zip(self.named_params, post_eager):
+            if not _close_t(p.detach(), e, rtol):
+                diff = (p.detach().float() - e.float()).abs().max().item()
                 problems.append(f"parameter '{name}' after the step: max |graph - eager| = {diff:.3e}")
                 break
         self.stats.verified_steps += 1
@@ -369,11 +548,83 @@ class CaptureEngine:
                 "verify_steps: the graphed step differs from the same step run eagerly (rtol="
                 f"{rtol}):\n  " + "\n  ".join(problems) + "\nThe step does something a replay does not repeat "
                 "(Python-side state, a host value frozen at capture, an unregistered random generator). "
-                "Set on_capture_error='eager' or CaptureConfig(enabled=False) for this model, and please report it."
+                "Set on_capture_error='eager' or enabled=False for this model, and please report it."
             )
         if self.after_replay is not None:
             self.after_replay(entry)
         return out_graph
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Snapshots every tensor that existed before the block, right before its first in-place write.
+
+    Writes are found from the operator schemas (``Tensor(a!)`` arguments, lists included), so
+    BatchNorm statistics, fused optimizer updates and ``out=`` variants are covered. Tensors
+    created inside the block are skipped. Kernels that bypass torch's dispatcher (custom C++
+    extensions) are invisible here: the engine snapshots those through ``mutable_fn``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._created: set[int] = set()
+        self._seen: set[tuple] = set()
+        self._snaps: list[tuple[Tensor, Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            val = kwargs[arg.name] if arg.name in kwargs else (args[i] if i < len(args) else None)
+            for t in val if isinstance(val, (list, tuple)) else (val,):
+                if isinstance(t, Tensor):
+                    self._snapshot(t)
+        out = func(*args, **kwargs)
+        # New tensors (not views of, or writes into, an argument) are temporaries of the block.
+        if all(r.alias_info is None for r in func._schema.returns):
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, Tensor) and t.numel():
+                    self._created.add(t.untyped_storage().data_ptr())
+        return out
+
+    def _snapshot(self, t: Tensor) -> None:
+        if not t.numel():
+            return
+        sp = t.untyped_storage().data_ptr()
+        if sp in self._created:
+            return
+        view = (sp, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view in self._seen:
+            return
+        self._seen.add(view)
+        with torch.utils._python_dispatch._disable_current_modes():
+            self._snaps.append((t, t.detach().clone()))
+
+    def restore(self) -> None:
+        """Write every snapshot back, latest first (overlapping views end with the oldest value)."""
+        with torch.no_grad():
+            for t, v in reversed(self._snaps):
+                t.copy_(v)
+        self._snaps.clear()
+
+
+def _difference(entry: GraphEntry, now: dict[str, int]) -> Optional[str]:
+    """Why ``entry`` must not replay with the state ``now`` (``None`` if it may)."""
+    for name, ptr in entry.state.items():
+        if entry.owns_grads and name.endswith(".grad"):
+            continue
+        cur = now.get(name)
+        if cur is None:
+            return f"'{name}' no longer exists (set to None or removed) after the graph was captured"
+        if cur != ptr:
+            return (
+                f"'{name}' was re-allocated after the graph was captured (p.data = ..., module.to(...), "
+                "torch.utils.swap_tensors, a weight swap, load_state_dict or a replaced gradient)"
+            )
+    for name in now:
+        if name not in entry.state and not (entry.owns_grads and name.endswith(".grad")):
+            return f"'{name}' was created after the graph was captured (a later step made it), so the graph ignores it"
+    return None
 
 
 def _is_sync_error(exc: BaseException) -> bool:

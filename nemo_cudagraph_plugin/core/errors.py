@@ -20,6 +20,7 @@ __all__ = [
     "ParityError",
     "CAPTURE_RULES",
     "classify_capture_error",
+    "locate_frames",
     "user_location",
 ]
 
@@ -109,19 +110,33 @@ def _mask_indexing(code: str) -> bool:
     return bool(_COMPARISON.search("".join(inside)))
 
 
+def _code_only(line: str) -> str:
+    """The source line without its comment (a ``#`` inside a string literal stays)."""
+    import io
+    import tokenize
+
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return line.split("#", 1)[0]
+    cut = next((t.start[1] for t in toks if t.type == tokenize.COMMENT), None)
+    return line if cut is None else line[:cut]
+
+
 def classify_capture_error(exc: BaseException) -> str:
     """Map an exception raised while checking or capturing a step to a rule name.
 
-    The message says *that* the step synced; the user's source line says *why*.
+    The message says *that* the step synced; the code of the offending line (comments removed)
+    says *why*.
     """
     text = f"{type(exc).__name__}: {exc}".lower()
     if "nonzero" in text or "boolean index" in text or "unique" in text or "masked_select" in text:
         return "dynamic-shape"
-    frame = _user_frame(exc.__traceback__)
+    frame = _located_frame(exc.__traceback__)[0]
     if frame is None and exc.__traceback__ is not None:
         frames = traceback.extract_tb(exc.__traceback__)
         frame = frames[-1] if frames else None
-    code = (frame.line or "").lower() if frame is not None else ""
+    code = _code_only(frame.line or "").lower() if frame is not None else ""
     if any(m in text for m in _SYNC_MARKERS):
         if "nonzero" in code or "unique(" in code or "masked_select" in code or _mask_indexing(code):
             return "dynamic-shape"
@@ -131,40 +146,64 @@ def classify_capture_error(exc: BaseException) -> str:
     return "unsupported-op"
 
 
-def _package_dirs() -> tuple[str, ...]:
+def _framework_dirs() -> tuple[str, ...]:
+    """Code that is never the answer to "where did *you* do it": torch, this package, the stdlib."""
     import torch
 
-    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__)]
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return (pkg, os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.__file__))
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Training frameworks the user called into (a frame there is library code, not theirs)."""
+    dirs = []
     for name in ("lightning", "pytorch_lightning", "lightning_fabric", "transformer_engine", "megatron", "nemo"):
         mod = sys.modules.get(name)
         if mod is not None and getattr(mod, "__file__", None):
             dirs.append(os.path.dirname(os.path.abspath(mod.__file__)))
-    stdlib = os.path.dirname(os.__file__)
-    dirs.append(stdlib)
     return tuple(dirs)
 
 
-def _user_frame(tb: Optional[TracebackType]) -> Optional[traceback.FrameSummary]:
+def _located_frame(tb: Optional[TracebackType]) -> tuple[Optional[traceback.FrameSummary], bool]:
+    """The innermost frame of the user's own code; else the innermost frame outside torch, this
+    package and the standard library (library code: an installed model, Lightning's demo module).
+
+    Returns ``(frame, is_library_code)``.
+    """
     if tb is None:
-        return None
-    skip = _package_dirs()
-    best = None
-    for frame in traceback.extract_tb(tb):
+        return None, False
+    return locate_frames(traceback.extract_tb(tb))
+
+
+def locate_frames(frames: list[traceback.FrameSummary]) -> tuple[Optional[traceback.FrameSummary], bool]:
+    """:func:`_located_frame` for a list of frames (a traceback or ``traceback.extract_stack()``)."""
+    framework, libraries = _framework_dirs(), _library_dirs()
+    user = library = None
+    for frame in frames:
         path = os.path.abspath(frame.filename)
-        if path.startswith(skip) or "site-packages" in path or frame.filename.startswith("<"):
+        if frame.filename.startswith("<") or path.startswith(framework):
             continue
-        best = frame
-    return best
+        if path.startswith(libraries) or "site-packages" in path or "dist-packages" in path:
+            library = frame
+        else:
+            user = frame
+    if user is not None:
+        return user, False
+    return library, library is not None
 
 
 def user_location(tb: Optional[TracebackType]) -> Optional[str]:
-    """Return ``"path:line"`` of the innermost traceback frame that belongs to user code.
+    """Return ``"path:line"`` of the innermost traceback frame of user code.
 
     User code is anything outside torch, Lightning, TransformerEngine, Megatron, NeMo, the
-    standard library, site-packages and this package. Returns ``None`` when no such frame exists.
+    standard library, site-packages and this package. When the step only runs library code (an
+    installed model), the innermost frame outside torch, this package and the standard library
+    is returned with `` (library code)`` appended. ``None`` when there is no such frame.
     """
-    frame = _user_frame(tb)
-    return f"{frame.filename}:{frame.lineno}" if frame is not None else None
+    frame, library = _located_frame(tb)
+    if frame is None:
+        return None
+    return f"{frame.filename}:{frame.lineno}" + (" (library code)" if library else "")
 
 
 def capture_error_from(exc: BaseException, what: str) -> CaptureError:
@@ -173,6 +212,10 @@ def capture_error_from(exc: BaseException, what: str) -> CaptureError:
     did, fix = CAPTURE_RULES[rule]
     where = user_location(exc.__traceback__)
     head = f"{where}: " if where else ""
+    if where is not None and where.endswith(" (library code)"):
+        where = where[: -len(" (library code)")]
+        head = (f"{where}: in installed library code (not your file; the model or module you use does this, "
+                "so the fix is in how it is configured or a different implementation): ")
     msg = (
         f"{head}cannot capture the training step into a CUDA graph ({what}): {did}.\n"
         f"  Fix: {fix}.\n"

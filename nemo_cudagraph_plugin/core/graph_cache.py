@@ -30,6 +30,13 @@ class GraphCache(Generic[V]):
             self._entries.move_to_end(key)
         return entry
 
+    def peek(self, key: Hashable) -> Optional[V]:
+        """The entry for ``key`` without marking it used."""
+        return self._entries.get(key)
+
+    def pop(self, key: Hashable) -> V:
+        return self._entries.pop(key)
+
     def put(self, key: Hashable, value: V) -> None:
         if key not in self._entries and self.full():
             raise RuntimeError("GraphCache is full; evict first")

@@ -1,12 +1,13 @@
 """Device-side NaN/Inf detection that never syncs the host inside a step.
 
 Inside the captured step the guard only *adds* into device accumulators: the loss into one
-scalar, each parameter's gradient norm into one slot of a vector. NaN and Inf propagate through
-a sum, so a non-finite accumulator after N steps means a non-finite value in one of those steps;
-this costs one kernel per step for the loss and three for the gradients (a ``_foreach_norm``,
-a ``stack`` and an ``add_``). The host reads the accumulators every ``check_every`` steps and at
-epoch end (one sync per read) and names the first parameter, in ``named_parameters`` order,
-whose gradient was non-finite.
+scalar, each parameter's gradient max-abs into one slot of a vector. NaN and Inf propagate through
+a sum, so a non-finite accumulator after N steps means a non-finite value in one of those steps.
+Per step this is one kernel for the loss and, for the gradients, one multi-tensor reduction per
+gradient dtype plus a ``stack`` and an ``add_`` — one read of the gradients and no host work; the
+accumulators are allocated once, outside every graph. The host reads the accumulators every ``check_every`` steps and at
+epoch end (one sync per read) and only then maps a bad slot to its parameter's name, so naming
+costs nothing per step.
 """
 
 from __future__ import annotations
@@ -17,9 +18,34 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._torch_compat import foreach_max_abs
 from .errors import NonFiniteError
 
 __all__ = ["NanGuard"]
+
+
+class _Plan:
+    """How to reduce one set of present gradients into the accumulator (built once per set)."""
+
+    __slots__ = ("groups", "index", "_host")
+
+    def __init__(self, params: list[Tensor], present: tuple[int, ...], device: torch.device) -> None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in present:
+            by_dtype.setdefault(params[i].grad.dtype, []).append(i)
+        self.groups = list(by_dtype.values())
+        order = [i for ids in self.groups for i in ids]
+        self.index: Optional[Tensor] = None
+        self._host: Optional[Tensor] = None
+        if order != list(range(len(params))):
+            # Copied from pinned host memory without a host sync (safe inside the sync-checked
+            # warm-up). Inside a capture the copy is a graph node re-run by every replay, so the
+            # index never depends on memory another graph may reuse.
+            host = torch.tensor(order, dtype=torch.long)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._host = host  # the copy reads it asynchronously: keep it alive
+            self.index = host.to(device, non_blocking=True)
 
 
 class NanGuard:
@@ -28,7 +54,7 @@ class NanGuard:
     Args:
         named_params: ``(name, parameter)`` pairs whose gradients are checked, in report order.
         device: where the accumulators live.
-        mode: ``"loss"`` (loss only) or ``"full"`` (also every gradient's norm, before clipping).
+        mode: ``"loss"`` (loss only) or ``"full"`` (also every gradient, before clipping).
     """
 
     def __init__(self, named_params: Sequence[tuple[str, Tensor]], device: torch.device, mode: str = "full") -> None:
@@ -40,45 +66,37 @@ class NanGuard:
         self.device = device
         # Allocated here, outside any graph pool, so every graph and eager step writes the same memory.
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        self.norm_sum = torch.zeros(len(self.params), dtype=torch.float32, device=device)
+        self.grad_sum = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
-        self._plans: dict[tuple[int, ...], tuple[list[list[int]], Optional[Tensor]]] = {}
+        self._plans: dict[tuple[int, ...], _Plan] = {}
 
     def observe_loss(self, loss: Tensor) -> None:
         """Add the loss into the accumulator (one kernel; safe inside capture)."""
         self.loss_sum.add_(loss.detach().reshape(()))
 
     def observe_grads(self, found_inf: Optional[Tensor] = None) -> None:
-        """Add every gradient's norm into its slot (``mode="full"``; device ops only).
+        """Add every gradient's max |g| into its slot (``mode="full"``; device ops only).
 
         If ``found_inf`` is given (``nan_action="skip"``) it is set to 1.0 when any gradient is
         non-finite, so that a fused optimizer skips this update on the device.
         """
         if self.mode != "full" and found_inf is None:
             return
-        present = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
+        params = self.params
+        present = tuple(i for i, p in enumerate(params) if p.grad is not None)
         if not present:
             return
         plan = self._plans.get(present)
         if plan is None:
-            # Built on an eager step: index tensor and dtype groups, so a captured step only
-            # launches the reduction kernels (no host-to-device copies).
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for i in present:
-                by_dtype.setdefault(self.params[i].grad.dtype, []).append(i)
-            order = [i for ids in by_dtype.values() for i in ids]
-            index = None if order == list(range(len(self.params))) else torch.tensor(order, device=self.device)
-            plan = (list(by_dtype.values()), index)
-            self._plans[present] = plan
-        groups, index = plan
-        parts = [torch.stack(torch._foreach_norm([self.params[i].grad for i in ids])) for ids in groups]
-        norms = parts[0].float() if len(parts) == 1 else torch.cat([p.float() for p in parts])
-        if index is None:
-            self.norm_sum.add_(norms)
+            plan = self._plans[present] = _Plan(params, present, self.device)
+        parts = [torch.stack(foreach_max_abs([params[i].grad for i in ids])) for ids in plan.groups]
+        vals = parts[0] if len(parts) == 1 else torch.cat([p.float() for p in parts])
+        if plan.index is None:
+            self.grad_sum.add_(vals)
         else:
-            self.norm_sum.index_add_(0, index, norms)
+            self.grad_sum.index_add_(0, plan.index, vals.float())
         if found_inf is not None:
-            bad = torch.isfinite(norms.sum()).logical_not_()
+            bad = torch.isfinite(vals.sum()).logical_not_()
             found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
             self.skipped.add_(bad)
 
@@ -89,12 +107,13 @@ class NanGuard:
         Returns ``None`` when everything was finite. With ``raise_on_bad=False`` (skip mode) the
         report is returned and the accumulators are cleared.
         """
-        ok = torch.isfinite(torch.cat([self.loss_sum.reshape(1), self.norm_sum])).cpu()
+        ok = torch.isfinite(torch.cat([self.loss_sum.reshape(1), self.grad_sum])).cpu()
         if bool(ok.all()):
             self.reset()
             return None
         loss_bad = not bool(ok[0])
-        bad_params = [self.names[i] for i in torch.nonzero(~ok[1:]).flatten().tolist()]
+        bad_idx = torch.nonzero(~ok[1:]).flatten().tolist()
+        bad_params = [self.names[i] for i in sorted(bad_idx)]
         if bad_params:
             extra = f" (and {len(bad_params) - 1} more)" if len(bad_params) > 1 else ""
             what = f"non-finite gradient in parameter '{bad_params[0]}'{extra}"
@@ -119,4 +138,4 @@ class NanGuard:
 
     def reset(self) -> None:
         self.loss_sum.zero_()
-        self.norm_sum.zero_()
+        self.grad_sum.zero_()

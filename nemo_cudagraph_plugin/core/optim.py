@@ -24,7 +24,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["OptimizerPrep", "check_optimizer_supported", "portable_optimizer_state"]
+from ._torch_compat import check_torch_version, clear_found_inf, quiet_uncaptured_capturable, set_found_inf
+
+__all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state"]
 
 # Optimizers that cannot run inside a graph at all, with what to use instead.
 _REFUSED: dict[str, str] = {
@@ -103,7 +105,7 @@ def probe_tensor_hyperparams(optimizer: torch.optim.Optimizer, device: torch.dev
             kw["fused"] = True
         try:
             opt = cls([p], **kw)
-            opt._warned_capturable_if_run_uncaptured = True
+            quiet_uncaptured_capturable(opt)
             prev = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -150,6 +152,7 @@ class OptimizerPrep:
         skip_nonfinite: bool = False,
         tensor_hparams: Optional[tuple[bool, bool]] = None,
     ) -> None:
+        check_torch_version()
         check_optimizer_supported(optimizer)
         self.tensor_hparams = tensor_hparams
         self.optimizer = optimizer
@@ -207,10 +210,8 @@ class OptimizerPrep:
                 state["step"] = step.to(device=p.device, dtype=torch.float32)
         if self.skip_nonfinite:
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)  # 0-d, like GradScaler's
-            opt.found_inf = self.found_inf  # read by torch's fused Adam/AdamW/SGD kernels
-        # Warm-up steps run outside a graph on purpose; torch would warn once that capturable
-        # steps are slower uncaptured.
-        opt._warned_capturable_if_run_uncaptured = True
+            set_found_inf(opt, self.found_inf)
+        quiet_uncaptured_capturable(opt)
         self.freeze_scalars()
         self.applied = True
 
@@ -260,22 +261,86 @@ class OptimizerPrep:
             if "betas" in group and not any(isinstance(b, Tensor) for b in saved.get("betas", ())):
                 group["betas"] = tuple(_to_float(b) for b in group["betas"])
         self._saved = []
-        if self.found_inf is not None and getattr(self.optimizer, "found_inf", None) is self.found_inf:
-            del self.optimizer.found_inf
+        if self.found_inf is not None:
+            clear_found_inf(self.optimizer, self.found_inf)
         self.found_inf = None
         self.applied = False
 
-    def state_tensors(self) -> list[Tensor]:
-        """Every tensor a captured optimizer step reads or writes (for address checks)."""
-        out: list[Tensor] = []
-        for state in self.optimizer.state.values():
+    def state_tensors(self, names: Optional[dict[int, str]] = None) -> list[tuple[str, Tensor]]:
+        """Every tensor a captured optimizer step reads or writes, named for messages (address checks).
+
+        Args:
+            names: ``id(parameter) -> name``; parameters not in it are named by position.
+        """
+        names = names or {}
+        out: list[tuple[str, Tensor]] = []
+        for i, (p, state) in enumerate(self.optimizer.state.items()):
             if isinstance(state, dict):
-                out.extend(v for v in state.values() if isinstance(v, Tensor))
-        out.extend(obj for _, k, obj in self._live if k == "lr")
-        for _, k, obj in self._live:
-            if k == "betas":
-                out.extend(obj)
+                pname = names.get(id(p), f"#{i}")
+                out.extend((f"optimizer state {k} of {pname}", v) for k, v in state.items() if isinstance(v, Tensor))
+        for g, k, obj in self._live:
+            idx = self.optimizer.param_groups.index(g)
+            if k == "lr":
+                out.append((f"param group {idx} lr tensor", obj))
+            else:
+                out.extend((f"param group {idx} {k}[{j}] tensor", t) for j, t in enumerate(obj))
         return out
+
+
+class ParamGroupWatch:
+    """Context manager that records assignments to an optimizer's param groups (``group[k] = v``).
+
+    A replay runs no Python, so a hyperparameter assigned by code *inside* the captured step (an
+    overridden ``optimizer_step`` or ``on_before_optimizer_step`` doing a manual LR warm-up) would
+    keep its capture-time value forever. While the block runs, each group dict is swapped for a
+    recording copy; on exit the originals come back with every change applied, and
+    :attr:`changes` lists ``(group index, key, old, new, stack)`` for values that really changed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.changes: list[tuple[int, str, Any, Any, Any]] = []
+        self._orig: list[dict] = []
+
+    def __enter__(self) -> ParamGroupWatch:
+        self.changes = []
+        self._orig = list(self.optimizer.param_groups)
+        self.optimizer.param_groups[:] = [_RecordingGroup(g, i, self.changes) for i, g in enumerate(self._orig)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        watched = list(self.optimizer.param_groups)
+        for orig, rec in zip(self._orig, watched):
+            if isinstance(rec, _RecordingGroup):
+                orig.update(dict.items(rec))
+        self.optimizer.param_groups[:] = self._orig
+
+
+class _RecordingGroup(dict):
+    """A param group copy that logs writes that change a value (with the writer's stack)."""
+
+    def __init__(self, group: dict, index: int, changes: list) -> None:
+        super().__init__(group)
+        self._index, self._changes = index, changes
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        old = self.get(key)
+        if key != "params" and not _same_value(old, value):
+            import traceback
+
+            self._changes.append((self._index, key, old, value, traceback.extract_stack()[:-1]))
+        super().__setitem__(key, value)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values count as a change
+        return False
 
 
 def portable_optimizer_state(state_dict: dict[str, Any], originals: Optional[list[dict[str, Any]]] = None) -> dict:

@@ -50,5 +50,13 @@ class GeneratorRegistry:
         for gen in self._gens:
             graph.register_generator_state(gen)
 
+    def states(self) -> list[torch.Tensor]:
+        """Each registered generator's state (host side; no device sync)."""
+        return [g.get_state() for g in self._gens]
+
+    def set_states(self, states: list[torch.Tensor]) -> None:
+        for g, s in zip(self._gens, states):
+            g.set_state(s)
+
     def __len__(self) -> int:
         return len(self._gens)

@@ -40,11 +40,12 @@ import importlib.metadata
 import inspect
 import re
 import sys
-import warnings
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
+
+from ..core.warn import warn_once
 
 __all__ = [
     "GENERATIONS",
@@ -74,17 +75,11 @@ MIN_TE_VERSION = (1, 6)
 
 _TE_DISTRIBUTIONS = ("transformer_engine", "transformer-engine", "transformer_engine_torch")
 _GEN_CACHE: dict[type, Optional[Generation]] = {}
-_warned: set[str] = set()
 
 
 class UnsupportedFp8ApiError(TypeError):
     """A tensor looks like a TE ``Float8Tensor`` but offers no in-place transpose refresh."""
 
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,11 +268,12 @@ def check_te_version(version: Optional[tuple[int, ...]] = None) -> Optional[tupl
             "pip install 'nemo_cudagraph_plugin[te]', or train without FP8 primary weights."
         )
     if version[0] >= 3:
-        _warn_once(
+        warn_once(
             f"te-untested-{version[0]}",
             f"transformer_engine {'.'.join(map(str, version))} is newer than the versions this package was "
             "tested with (1.6-2.x); the transpose refresh is chosen from the tensor's methods. Run "
             "verify_fp8_transposes(model) once after a step to confirm the refresh works.",
+            RuntimeWarning,
         )
     return version
 
@@ -288,11 +284,12 @@ def warn_if_generation_mismatch(gen: Generation, version: Optional[tuple[int, ..
         return
     want = expected_generation(version)
     if want is not None and want != gen:
-        _warn_once(
+        warn_once(
             f"gen-mismatch-{gen}-{want}",
             f"Float8Tensor methods look like TE API {gen!r} but transformer_engine "
             f"{'.'.join(map(str, version))} is installed (expected {want!r}); using the methods found. "
             "Check that only one TransformerEngine is installed.",
+            RuntimeWarning,
         )
 
 
@@ -359,4 +356,35 @@ def delayed_scaling_unregistered(module: torch.nn.Module) -> list[str]:
             continue
         if key not in meta:
             out.append(name or type(m).__name__)
+    return out
+
+
+def is_te_module(module: torch.nn.Module) -> bool:
+    """A TransformerEngine module (judged by its class's module path; TE need not be importable)."""
+    return any(c.__module__.startswith("transformer_engine") for c in type(module).__mro__[:-1])
+
+
+def has_te_modules(module: torch.nn.Module) -> bool:
+    return any(is_te_module(m) for m in module.modules())
+
+
+def fp8_scaling_state(module: torch.nn.Module) -> list[Tensor]:
+    """Every delayed-scaling tensor of TE modules (``fp8_meta[...]`` scale / scale_inv / amax_history).
+
+    TE updates them inside its own C++ kernels, which torch's dispatcher does not see, so code
+    that must undo a step (``verify_steps``) snapshots them explicitly.
+    """
+    out: list[Tensor] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        meta = getattr(m, "fp8_meta", None)
+        if not isinstance(meta, dict):
+            continue
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = meta.get(key)
+            for attr in ("scale", "scale_inv", "amax_history"):
+                t = getattr(state, attr, None)
+                if isinstance(t, Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
     return out

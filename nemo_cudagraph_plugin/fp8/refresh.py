@@ -35,7 +35,6 @@ itself, and any host synchronisation (there is none in the refresh).
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, Optional, Union
 
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import CaptureError
+from ..core.warn import warn_once
 from . import _te_compat as te
 from ._multi_transpose import MultiTranspose, triton_available
 
@@ -62,13 +62,7 @@ __all__ = [
 ParamsOrModule = Union[torch.nn.Module, Tensor, Iterable[Union[Tensor, torch.nn.Module]]]
 Fused = Union[bool, Literal["auto"]]
 
-_warned: set[str] = set()
 
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=1)
@@ -276,10 +270,11 @@ class Fp8RefreshPlan:
                 if self._fused_mode is True:
                     raise
                 # "auto" must never stop training: TE's per-tensor method writes the same bytes.
-                _warn_once(
+                warn_once(
                     "fused-failed",
                     f"The one-launch FP8 transpose refresh failed to set up ({type(exc).__name__}: {exc}); "
                     "using TransformerEngine's per-tensor _create_transpose() instead (said once).",
+                    RuntimeWarning,
                 )
                 self.fused = False
                 multi = None
@@ -303,10 +298,11 @@ def _checked_buffers(name: str, t: Any, gen: te.Generation) -> Union[str, tuple[
     data = te.rowwise_data(t)
     if data is None:
         # TE 2.x column-wise-only storage: the "transpose" *is* the data; nothing to derive it from.
-        _warn_once(
+        warn_once(
             "columnwise-only",
             f"FP8 parameter {name} has no row-wise data (TE column-wise-only storage), so its transpose cannot be "
             "recomputed and is left as is; such tensors are skipped by refresh_fp8_transposes (said once).",
+            RuntimeWarning,
         )
         return "no row-wise data"
     buf = te.transpose_buffer(t)
@@ -315,10 +311,11 @@ def _checked_buffers(name: str, t: Any, gen: te.Generation) -> Union[str, tuple[
         te.reset_caches(t)
         return "no transpose cache"
     if gen != "te2" and data.dim() != 2:
-        _warn_once(
+        warn_once(
             f"not-2d-{gen}",
             f"FP8 parameter {name} has {data.dim()} dimensions; TransformerEngine 1.x transposes only 2-D FP8 "
             "tensors, so it is skipped (said once).",
+            RuntimeWarning,
         )
         return "not 2-D (TE 1.x)"
     _check_buffer_fits(name, data, buf)
@@ -365,10 +362,11 @@ def _moved(name: str, *, strict: bool, capturing: bool) -> None:
             "place. Pin transformer-engine to a tested version (1.6-2.x), or run this model without CUDA graphs.",
             rule="fp8-transpose-moved",
         )
-    _warn_once(
+    warn_once(
         "moved",
         f"FP8 parameter {name}: the transpose refresh allocated a new buffer (fine without CUDA graphs, but graphs "
         "would read a stale copy). Said once.",
+        RuntimeWarning,
     )
 
 

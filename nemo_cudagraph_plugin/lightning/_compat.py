@@ -2,37 +2,60 @@
 
 The captured region is exactly Lightning's ``_AutomaticOptimization.run`` for one batch: closure
 (training_step, zero_grad, backward), clipping and ``optimizer.step``. Lightning has no public
-hook spanning that region, so the adapter wraps ``run`` on *this trainer's loop instance* (not the
-class), and mirrors the progress counters a replay skips. Checked against Lightning 2.4 - 2.6.
+hook spanning that region, so the adapter routes ``run`` on *this trainer's loop instance* (never
+the class), mirrors the progress counters a replay skips, and redirects ``LightningModule.log``
+on the module instance while a step is recorded. Checked against Lightning 2.4 - 2.6.6; newer
+versions run with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 from packaging.version import Version
 
+from ..core.warn import warn_once
+
 __all__ = [
     "LIGHTNING_VERSION",
+    "StepKey",
     "check_lightning_version",
     "automatic_loop",
-    "step_phase",
+    "route_step",
+    "step_key",
+    "redirect_log",
     "ProgressDelta",
     "progress_snapshot",
+    "restorer",
+    "current_fx",
+    "fast_log",
+    "set_current_fx",
+    "rebase_strategy",
+    "ddp_finds_unused_parameters",
+    "callback_state_key",
 ]
 
 LIGHTNING_VERSION = Version(pl.__version__.split("+")[0])
 _MIN = Version("2.4.0")
-_MAX_TESTED = Version("2.7.0")
+_MAX_TESTED = Version("2.6.6")
 
 
 def check_lightning_version() -> None:
+    """Refuse Lightning older than 2.4; warn once above the newest version this adapter was tested with."""
     if LIGHTNING_VERSION < _MIN:
         raise RuntimeError(
             f"nemo_cudagraph_plugin needs lightning >= {_MIN}, found {LIGHTNING_VERSION}. pip install -U lightning"
+        )
+    if LIGHTNING_VERSION > _MAX_TESTED:
+        warn_once(
+            "lightning-version",
+            f"nemo_cudagraph_plugin's Lightning adapter was tested with lightning {_MIN} - {_MAX_TESTED}; found "
+            f"{LIGHTNING_VERSION}. It wraps _AutomaticOptimization.run and mirrors its progress counters; if "
+            "training looks different with graphs, compare with verify_steps=5 and please report it.",
         )
 
 
@@ -48,11 +71,49 @@ def automatic_loop(trainer: pl.Trainer) -> Any:
     return loop
 
 
-def step_phase(trainer: pl.Trainer, loop: Any, batch_idx: int) -> tuple[bool, bool]:
-    """``(zero_grad, optimizer_step)`` for this batch, decided exactly as ``run`` decides it."""
-    zero = (not loop._skip_backward) and batch_idx % trainer.accumulate_grad_batches == 0
+def route_step(loop: Any, run: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[], None]]:
+    """Route this loop instance's ``run`` through ``run``; return (the original run, undo)."""
+    original = loop.run
+    loop.run = run  # an instance attribute: this trainer only, no class is patched
+
+    def undo() -> None:
+        if loop.__dict__.get("run") is run:
+            del loop.run
+
+    return original, undo
+
+
+class StepKey(NamedTuple):
+    """Every Python value Lightning's ``run`` reads that a graph bakes in (part of the graph key).
+
+    ``zero_grad``/``optimizer_step`` pick the accumulation phase; the loss is divided by
+    ``accumulate_grad_batches`` inside the closure; ``gradient_clip`` is the clipping value and
+    algorithm; ``precision`` selects autocast. A change of any of them selects another graph.
+    """
+
+    zero_grad: bool
+    optimizer_step: bool
+    accumulate_grad_batches: int
+    gradient_clip: tuple[Any, Any]
+    precision: str
+
+
+def step_key(trainer: pl.Trainer, loop: Any, batch_idx: int) -> StepKey:
+    """The :class:`StepKey` of this batch, decided exactly as ``run`` decides it."""
+    k = trainer.accumulate_grad_batches
+    zero = (not loop._skip_backward) and batch_idx % k == 0
     step = trainer.strategy.handles_gradient_accumulation or not trainer.fit_loop._should_accumulate()
-    return zero, step
+    return StepKey(zero, step, k, (trainer.gradient_clip_val, trainer.gradient_clip_algorithm), str(trainer.precision))
+
+
+@contextlib.contextmanager
+def redirect_log(pl_module: pl.LightningModule, log: Callable[..., None]) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` of this module instance call ``log`` inside the block."""
+    pl_module.__dict__["log"] = log  # instance attribute; log_dict calls self.log
+    try:
+        yield
+    finally:
+        pl_module.__dict__.pop("log", None)
 
 
 def _int_fields(obj: Any, out: list[tuple[Any, str]]) -> None:
@@ -78,6 +139,8 @@ class ProgressDelta:
     would stand still. Computed once per graph at capture; applying it is a few ``setattr``.
     """
 
+    __slots__ = ("incs",)
+
     def __init__(self, before: list[tuple[Any, str, int]], after: list[tuple[Any, str, int]]) -> None:
         self.incs = [(o, n, a - b) for (o, n, b), (_, _, a) in zip(before, after) if a != b]
 
@@ -99,9 +162,55 @@ def restorer(loop: Any, pl_module: pl.LightningModule) -> Callable[[], None]:
     return restore
 
 
+def fast_log(trainer: pl.Trainer, fx: str, name: str, value: Any, kwargs: dict) -> bool:
+    """Re-emit a ``self.log(name, value)`` already emitted once in this epoch, without the checks
+    and device moves ``LightningModule.log`` repeats on every call (about 1 ms of host time per call
+    on a slow host, mostly ``_ResultMetric.to``). Does what those calls would do for a registered,
+    unchanged metric: ``update_metrics`` with this step's batch size. Returns ``False`` (nothing
+    done) when the slow path is needed: first emission, a new epoch's reset, several dataloaders.
+
+    ``value`` must be a fresh single-element tensor the caller owns (Lightning clones on update).
+    """
+    results = getattr(trainer, "_results", None)
+    if results is None or results.dataloader_idx is not None:
+        return False
+    connector = trainer._logger_connector
+    if connector.should_reset_tensors(fx):
+        return False
+    metric = results.get(f"{fx}.{name}")
+    if metric is None or metric.has_reset:
+        return False
+    batch_size = results._extract_batch_size(metric, kwargs.get("batch_size"), metric.meta)
+    results.update_metrics(f"{fx}.{name}", value.squeeze(), batch_size)
+    connector._current_fx = fx
+    return True
+
+
 def current_fx(pl_module: pl.LightningModule) -> Any:
     return pl_module._current_fx_name
 
 
 def set_current_fx(pl_module: pl.LightningModule, name: Any) -> None:
     pl_module._current_fx_name = name
+
+
+def rebase_strategy(base: Any, cls: type) -> Any:
+    """A new instance of ``cls`` (a subclass of ``type(base)``) carrying ``base``'s configuration.
+
+    Lightning strategies have no copy constructor; their configuration is their instance state.
+    """
+    from lightning.pytorch.strategies import Strategy
+
+    obj = Strategy.__new__(cls)
+    obj.__dict__.update(base.__dict__)
+    return obj
+
+
+def ddp_finds_unused_parameters(strategy: Any) -> bool:
+    """Whether a ``DDPStrategy`` was configured with ``find_unused_parameters=True``."""
+    return bool(getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters"))
+
+
+def callback_state_key(callback: pl.Callback, **kwargs: Any) -> str:
+    """Lightning's ``Callback._generate_state_key`` (checkpoint key of a callback's state)."""
+    return callback._generate_state_key(**kwargs)

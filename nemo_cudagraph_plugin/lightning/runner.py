@@ -3,16 +3,16 @@
 Per training batch Lightning calls ``automatic_optimization.run(optimizer, batch_idx, kwargs)``.
 While bound, that call (on this trainer's loop instance only) goes through
 :meth:`LightningStepRunner.run`, which hands the engine a step function covering the whole
-``run``: training_step, zero_grad, backward, gradient clipping and optimizer.step.
+``run``: training_step, zero_grad, backward, gradient clipping and optimizer.step, and the
+step's key (:class:`~._compat.StepKey`: accumulation phase, ``accumulate_grad_batches``,
+clipping, precision).
 
 Replayed steps skip Python, so the runner repeats the host-side effects Lightning relies on:
-
-* ``self.log`` / ``log_dict`` calls made inside the step (by the module or by callbacks in
-  ``on_before_backward``/``on_after_backward``/``on_before_optimizer_step``) are recorded at
-  capture and re-emitted after every replay with that step's values;
-* the optimization progress counters (``trainer.global_step``) advance as in eager mode.
-
-Other Python side effects of hooks inside the step run once, at capture.
+``self.log`` calls made inside the step are re-emitted (:mod:`.logs`) and the optimization
+progress counters (``trainer.global_step``) advance as in eager mode. Hyperparameters the optimizer
+reads are kept live by a guard before every step; code inside the step that assigns them
+(a manual LR warm-up in ``optimizer_step``) is refused at capture with its file:line. Other
+Python side effects of hooks inside the step run once, at capture.
 """
 
 from __future__ import annotations
@@ -25,191 +25,195 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ..core.backend import GraphBackend
+from ..core.buffers import flatten
 from ..core.config import CaptureConfig, CaptureStats
 from ..core.engine import CaptureEngine, GraphEntry
-from ..core.errors import CaptureError
+from ..core.errors import CaptureError, locate_frames
 from ..core.nan_guard import NanGuard
-from ..core.optim import OptimizerPrep, portable_optimizer_state
+from ..core.optim import OptimizerPrep, ParamGroupWatch, portable_optimizer_state
 from ..core.rng import GeneratorRegistry
 from . import _compat
+from .checks import Refusal, check_single_owner, device_refusal, optimizer_refusal, setup_refusal
+from .logs import StepLogs
 
 __all__ = ["LightningStepRunner"]
-
-_REFUSED_STRATEGIES = {
-    "FSDPStrategy": "FSDP re-shards parameters and allocates gradient buffers inside every step",
-    "DeepSpeedStrategy": "DeepSpeed's engine owns the optimizer step and synchronises with the host",
-    "ModelParallelStrategy": "DTensor/FSDP2 collectives and re-sharding are not captured by this plugin",
-    "XLAStrategy": "CUDA graphs need a CUDA device",
-    "MegatronStrategy": (
-        "NeMo's MegatronStrategy drives the step with Megatron's pipeline schedules (a dataloader_iter training step), "
-        "not Lightning's closure; use nemo_cudagraph_plugin.nemo.with_cuda_graph(recipe), which turns on "
-        "Megatron-core's own CUDA graphs and keeps our FP8 transpose care"
-    ),
-}
-
 
 # A hyperparameter a graph bakes in may change a couple of times (a manual change, an LR finder);
 # more than this and it is being scheduled, which graphs cannot follow.
 _MAX_HP_RECAPTURES = 2
 
 
-class _LogRecord:
-    __slots__ = ("fx", "name", "args", "kwargs", "tensor")
-
-    def __init__(self, fx: Any, name: str, args: tuple, kwargs: dict, tensor: bool) -> None:
-        self.fx, self.name, self.args, self.kwargs, self.tensor = fx, name, args, kwargs, tensor
-
-
 class LightningStepRunner:
-    """Owns the engine, the optimizer preparation and the NaN guard for one ``fit``."""
+    """Owns the engine, the optimizer preparation and the NaN guard for one ``fit``.
 
-    def __init__(self, config: CaptureConfig, stats: CaptureStats, generators: Optional[GeneratorRegistry] = None) -> None:
+    Args:
+        config: the options.
+        stats: counters shared with the owner (``callback.stats``).
+        owner: the class the user configured (``"CudaGraphCallback"``/``"CudaGraphStrategy"``),
+            used in messages and for owner-specific refusals.
+        generators: extra generators to register with every graph.
+        backend: device interface of the engine (CUDA unless a test supplies a stand-in).
+    """
+
+    def __init__(
+        self,
+        config: CaptureConfig,
+        stats: CaptureStats,
+        owner: str = "CudaGraphCallback",
+        generators: Optional[GeneratorRegistry] = None,
+        backend: Optional[GraphBackend] = None,
+    ) -> None:
         self.config = config
         self.stats = stats
+        self.owner = owner
         self.generators = generators or GeneratorRegistry()
+        self.backend = backend
         self.engine: Optional[CaptureEngine] = None
         self.prep: Optional[OptimizerPrep] = None
         self.guard: Optional[NanGuard] = None
+        self.logs: Optional[StepLogs] = None
         self.trainer: Any = None
         self.pl_module: Any = None
+        self.refused: Optional[Refusal] = None
         self._loop: Any = None
         self._orig_run: Optional[Callable] = None
-        self._orig_zero_grad: Optional[Callable] = None
+        self._undo_route: Optional[Callable[[], None]] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._hooks: list[Any] = []
-        self._records: dict[int, list[_LogRecord]] = {}
-        self._kept_tokens: set[int] = set()
-        self._next_token = 0
-        self._frozen_warned: set[str] = set()
         self._steps = 0
         self._grads: list[tuple[Tensor, Tensor]] = []
         self._last_delta: Optional[_compat.ProgressDelta] = None
-        self._last_token = 0
         self._fp8_handle: Any = None
-        self.eager_reason: Optional[str] = None
+        self._ddp = False
+        self._fresh = False
+        self._last_n_out: Optional[int] = None
         self._hp_changes = 0
         self._checked_at = 0
 
+    @property
+    def eager_reason(self) -> Optional[str]:
+        """Why this fit trains eagerly (``None`` while graphs are used)."""
+        if self.refused is not None:
+            return self.refused.message
+        return self.engine.disabled_reason if self.engine is not None else None
+
     # ------------------------------------------------------------------------------------------
-    # binding
+    # checks and binding
     # ------------------------------------------------------------------------------------------
-    def refusal(self, trainer: Any, pl_module: Any, require_cuda: bool = True) -> Optional[str]:
-        """Why this fit cannot be graphed (``None`` if it can). Raises nothing."""
-        if not self.config.enabled:
-            return "disabled by the user (enabled=False)"
-        if require_cuda and not torch.cuda.is_available():
-            return "no CUDA device is available"
-        if require_cuda and pl_module.device.type != "cuda":
-            return f"the model is on {pl_module.device}, not on a CUDA device (Trainer(accelerator='gpu'))"
-        name = type(trainer.strategy).__name__
-        for refused, why in _REFUSED_STRATEGIES.items():
-            if any(c.__name__ == refused for c in type(trainer.strategy).__mro__):
-                return f"{name} is not supported: {why}. Use a single device or CudaGraphStrategy('ddp')"
-        if not pl_module.automatic_optimization:
-            return (
-                "manual optimization (automatic_optimization=False) is not captured: the step's structure is your "
-                "code, so the plugin cannot see where it begins and ends. Capture your own step with "
-                "nemo_cudagraph_plugin.core.CaptureEngine, or use automatic optimization"
-            )
-        precision = str(trainer.precision)
-        if precision.startswith("16") or precision in ("fp16", "half"):
-            return (
-                f"precision={precision!r} uses a GradScaler, whose step reads found_inf on the host every step; use "
-                "precision='bf16-mixed' (or '32-true')"
-            )
-        if len(trainer.optimizers) != 1:
-            return f"automatic optimization with {len(trainer.optimizers)} optimizers is not captured; use one optimizer"
-        return None
+    def _refuse(self, refusal: Refusal) -> None:
+        """Train eagerly with one warning, or stop with a :class:`CaptureError` (see ``Refusal.soft``)."""
+        if refusal.soft or self.config.on_capture_error == "eager":
+            self.refused = refusal
+            warnings.warn(f"nemo_cudagraph_plugin: training eagerly: {refusal.message}.", stacklevel=3)
+            return
+        raise CaptureError(
+            f"{self.owner}: cannot capture this training step into CUDA graphs: {refusal.message}. "
+            "Pass on_capture_error='eager' to train without graphs instead.",
+            rule="configuration",
+        )
+
+    def check_setup(self, trainer: Any, pl_module: Any) -> None:
+        """At ``setup``, on any machine: refusals that need no optimizer and no GPU."""
+        check_single_owner(trainer)
+        self.refused = None
+        why = setup_refusal(self.config, trainer, pl_module, self.owner)
+        if why is not None:
+            self._refuse(why)
 
     def bind(self, trainer: Any, pl_module: Any) -> None:
-        """Prepare the optimizer and route this trainer's step through the engine.
+        """Prepare the optimizer and route this trainer's step through the engine (``on_train_start``).
 
         Raises :class:`CaptureError` (``on_capture_error="raise"``) when the fit cannot be graphed
         for a reason the user must fix; warns once and leaves training eager otherwise.
         """
         _compat.check_lightning_version()
         self.trainer, self.pl_module = trainer, pl_module
-        why = self.refusal(trainer, pl_module)
+        if self.refused is not None:  # refused at setup, already said
+            return
+        why = setup_refusal(self.config, trainer, pl_module, self.owner) or optimizer_refusal(trainer)
+        if why is None and (self.backend is None or self.backend.device_type == "cuda"):
+            why = device_refusal(pl_module)
         if why is not None:
-            soft = (not self.config.enabled) or (not torch.cuda.is_available()) or pl_module.device.type != "cuda"
-            if soft or self.config.on_capture_error == "eager":
-                self.eager_reason = why
-                warnings.warn(f"nemo_cudagraph_plugin: training eagerly: {why}.", stacklevel=2)
-                return
-            raise CaptureError(
-                f"cannot capture this training step into CUDA graphs: {why}. "
-                "Pass on_capture_error='eager' to train without graphs instead.",
-                rule="configuration",
-            )
+            self._refuse(why)
+            return
         optimizer = trainer.optimizers[0]
         try:
             self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_action == "skip")
             self.prep.apply()
         except TypeError as exc:
-            if self.config.on_capture_error == "eager":
-                self.prep = None
-                self.eager_reason = str(exc)
-                warnings.warn(f"nemo_cudagraph_plugin: training eagerly: {exc}", stacklevel=2)
-                return
-            raise CaptureError(str(exc), rule="optimizer") from exc
+            self.prep = None
+            self._refuse(Refusal("optimizer", str(exc).rstrip(".")))
+            return
         self._optimizer = optimizer
+        self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         if self.config.nan_mode != "off" or self.config.nan_action == "skip":
             self.guard = NanGuard(named, pl_module.device, "full" if self.config.nan_mode == "off" else self.config.nan_mode)
         self._loop = _compat.automatic_loop(trainer)
+        self.logs = StepLogs(pl_module)
+        names = {id(p): n for n, p in pl_module.named_parameters()}
         self.engine = CaptureEngine(
             self.config,
             pl_module.device,
             named,
-            state_fn=self._state_tensors,
+            state_fn=lambda: self.prep.state_tensors(names) if self.prep is not None else [],
             generators=self.generators,
             host_state=lambda: _compat.restorer(self._loop, pl_module),
             stats=self.stats,
+            backend=self.backend,
+            watched_fn=lambda: _watched(pl_module),
         )
+        # verify_steps restores what the eager half wrote; module buffers (BatchNorm statistics) are listed
+        # explicitly because some kernels' schemas do not mark them as written.
+        self.engine.mutable_fn = lambda: list(pl_module.buffers())
         self.engine.guards.append(self._hyperparam_guard)
         self.engine.after_replay = self._after_replay
         self.engine.on_capture = self._on_capture
+        watch = ParamGroupWatch(optimizer)
+        self.engine.capture_contexts.append(lambda: watch)
+        self.engine.post_capture_checks.append(lambda: _refuse_group_writes(watch))
         self._install(optimizer, pl_module)
 
     def _install(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
-        loop = self._loop
-        self._orig_run = loop.run
-        loop.run = self.run  # instance attribute: this trainer only
+        self._orig_run, self._undo_route = _compat.route_step(self._loop, self.run)
 
-        # Gradients must keep their addresses across graphs: zero them in place inside the step.
+        # Steps that accumulate across batches (accumulate_grad_batches > 1, DDP's bucket views) need
+        # gradients at fixed addresses: zero them in place. Steps that do not (fresh_grads) keep
+        # zero_grad's own semantics (set_to_none=True leaves unused parameters without a gradient, so
+        # the optimizer skips them); their graphs are captured with the gradients set to None.
         orig_zero = optimizer.zero_grad
-        self._orig_zero_grad = orig_zero
 
-        def zero_grad_in_place(set_to_none: bool = True) -> None:
-            orig_zero(set_to_none=False)
+        def zero_grad(set_to_none: bool = True) -> None:
+            orig_zero(set_to_none=set_to_none and self._fresh)
 
-        optimizer.zero_grad = zero_grad_in_place
+        optimizer.zero_grad = zero_grad  # this optimizer instance only
         # Replacing parameters or optimizer state (load_state_dict) invalidates captured addresses.
         self._hooks.append(optimizer.register_load_state_dict_post_hook(lambda *_: self._mark_dirty(reprep=True)))
         self._hooks.append(pl_module.register_load_state_dict_post_hook(lambda *_: self._mark_dirty()))
-        if self.config.fp8_refresh:
-            self._install_fp8(optimizer, pl_module)
+        self._install_te(optimizer, pl_module)
 
-    def _install_fp8(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
+    def _install_te(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
+        """TransformerEngine care: the FP8 transpose refresh for FP8 primary weights, and the graph
+        hazards (RNG tracker, ``is_first_microbatch``, delayed scaling) for every model with TE modules."""
         try:
+            from ..fp8 import _te_compat as te
             from ..fp8 import install_fp8_refresh, iter_fp8_params
         except ImportError:  # the FP8 module itself failed to import: only fatal if FP8 was required
             if self.config.fp8_refresh is True:
                 raise
             return
         has_fp8 = any(True for _ in iter_fp8_params(pl_module))
-        if not has_fp8:
-            if self.config.fp8_refresh is True:
-                raise CaptureError(
-                    "fp8_refresh=True but the model has no TransformerEngine Float8Tensor parameters "
-                    "(build it under te.quantized_model_init / te.fp8_model_init, or use fp8_refresh='auto').",
-                    rule="configuration",
-                )
+        if self.config.fp8_refresh is True and not has_fp8:
+            raise CaptureError(
+                f"{self.owner}(fp8_refresh=True) but the model has no TransformerEngine Float8Tensor parameters "
+                "(build it under te.quantized_model_init / te.fp8_model_init, or use fp8_refresh='auto').",
+                rule="configuration",
+            )
+        if self.config.fp8_refresh and has_fp8:
+            self._fp8_handle = install_fp8_refresh(optimizer, pl_module)
+        if not (has_fp8 or te.has_te_modules(pl_module)):
             return
-        self._fp8_handle = install_fp8_refresh(optimizer, pl_module)
-        # TransformerEngine's other graph hazards (see nemo_cudagraph_plugin.fp8.hazards): the RNG
-        # tracker's generators advance per replay, a frozen is_first_microbatch=False is refused, and
-        # modules whose delayed-scaling amax would never update are refused.
         from ..fp8.hazards import (
             FirstMicrobatchCheck,
             check_delayed_scaling_registered,
@@ -217,15 +221,18 @@ class LightningStepRunner:
         )
 
         register_rng_generators(self.generators)
-        self.engine.capture_contexts.append(lambda: FirstMicrobatchCheck(pl_module))
-        self.engine.post_capture_checks.append(lambda: check_delayed_scaling_registered(pl_module))
+        engine = self.engine
+        engine.capture_contexts.append(lambda: FirstMicrobatchCheck(pl_module))
+        engine.post_capture_checks.append(lambda: check_delayed_scaling_registered(pl_module))
+        # TE updates its FP8 scaling state in its own kernels: verify_steps must snapshot it explicitly.
+        engine.mutable_fn = lambda: list(pl_module.buffers()) + te.fp8_scaling_state(pl_module)
 
     def unbind(self) -> None:
         """Undo everything :meth:`bind` changed (also after an exception)."""
-        if self._loop is not None and self._orig_run is not None:
-            if self._loop.__dict__.get("run") == self.run:
-                del self._loop.run
-        if self._optimizer is not None and self._orig_zero_grad is not None:
+        if self._undo_route is not None:
+            self._undo_route()
+            self._undo_route = None
+        if self._optimizer is not None:
             self._optimizer.__dict__.pop("zero_grad", None)
         for h in self._hooks:
             h.remove()
@@ -238,106 +245,71 @@ class LightningStepRunner:
         if self.engine is not None:
             self.engine.cache.clear()  # frees the graphs; stats.graphs keeps the count at the end of fit
         self._orig_run = None
-        self._orig_zero_grad = None
 
     @property
     def active(self) -> bool:
         return self.engine is not None and self._orig_run is not None
 
+    def count_unbound_step(self) -> None:
+        """A batch trained by plain Lightning because this fit was refused: count it with the reason."""
+        if self.refused is not None:
+            self.stats.count_eager(self.refused.label)
+
     # ------------------------------------------------------------------------------------------
-    # the step
+    # the step (hot path: one replay per call once captured)
     # ------------------------------------------------------------------------------------------
     def run(self, optimizer: torch.optim.Optimizer, batch_idx: int, kwargs: OrderedDict) -> Any:
         """Replacement for ``automatic_optimization.run`` on this trainer."""
-        engine = self.engine
-        phase = _compat.step_phase(self.trainer, self._loop, batch_idx)
-        orig_run = self._orig_run
+        key = _compat.step_key(self.trainer, self._loop, batch_idx)
+        orig_run, logs, batch = self._orig_run, self.logs, kwargs.get("batch")
+        # Nothing accumulates across steps: the step may own its gradients (not with DDP, whose
+        # reducer keeps gradients as views of its buckets).
+        self._fresh = fresh = key.zero_grad and key.optimizer_step and key.accumulate_grad_batches == 1 and not self._ddp
 
-        def fn(batch: Any, quiet: bool = False) -> Any:
-            kw = kwargs if batch is kwargs.get("batch") else OrderedDict(kwargs, batch=batch)
+        def fn(b: Any, quiet: bool = False) -> Any:
+            kw = kwargs if b is batch else OrderedDict(kwargs, batch=b)
             return self._recorded(lambda: orig_run(optimizer, batch_idx, kw), quiet)
 
-        out, values, token = engine.step(kwargs.get("batch"), phase, fn, quiet_fn=lambda b: fn(b, quiet=True))
-        records = self._records.get(token, ())
-        if token not in self._kept_tokens:
-            self._records.pop(token, None)
-        self._emit(records, values)
+        out, values, token = self.engine.step(
+            batch,
+            key,
+            fn,
+            quiet_fn=lambda b: fn(b, quiet=True),
+            fresh_grads=fresh,
+        )
+        logs.emit(token, values)
         self._steps += 1
         if self.guard is not None and self._steps % self.config.nan_check_every == 0:
             self.check_nan()
         return out
 
     def _recorded(self, call: Callable[[], Any], quiet: bool) -> Any:
-        """Run ``call`` with ``self.log`` recorded instead of performed; return outputs + log values."""
-        pl_module = self.pl_module
-        records: list[_LogRecord] = []
-        values: list[Tensor] = []
-
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            is_t = isinstance(value, Tensor)
-            rec = _LogRecord(_compat.current_fx(pl_module), name, args, kwargs, is_t)
-            if is_t:
-                # detach + clone: the logged value becomes a graph output of its own, so later
-                # in-place changes to the source tensor within the step cannot alter it.
-                values.append(value.detach().clone())
-            else:
-                rec.args = (value, *args)
-            records.append(rec)
-
+        """Run ``call`` (an eager step or a capture) with logs recorded and counter increments measured."""
         before = _compat.progress_snapshot(self._loop)
-        pl_module.__dict__["log"] = log
-        try:
-            out = call()
-        finally:
-            pl_module.__dict__.pop("log", None)
+        out, values, token = self.logs.run(call, quiet)
         self._last_delta = _compat.ProgressDelta(before, _compat.progress_snapshot(self._loop))
+        self._last_n_out = len(flatten(out)[0])
         if self.guard is not None and isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
             self.guard.observe_loss(out["loss"])
-        if quiet:
-            return out, values, -1
-        # Records of an eager step are used once (popped in run); those of a capture are kept for
-        # every replay of its graph (see _on_capture).
-        self._next_token += 1
-        token = self._next_token
-        self._records[token] = records
-        self._last_token = token
         return out, values, token
 
     def _on_capture(self, entry: GraphEntry) -> None:
         entry.meta["progress"] = self._last_delta
-        self._kept_tokens.add(self._last_token)
-        for rec in self._records[self._last_token]:
-            if not rec.tensor and rec.name not in self._frozen_warned:
-                self._frozen_warned.add(rec.name)
-                warnings.warn(
-                    f"self.log('{rec.name}', ...) logged a Python value inside the captured step; replays re-emit the "
-                    "value seen at capture. Log a tensor to see per-step values.",
-                    stacklevel=2,
-                )
-        out_leaves = entry.out_leaves
-        if not out_leaves:
+        # The step's outputs are cloned per replay (a user may keep the loss); the logged values are
+        # handed to Lightning at once, which copies them (StepLogs.emit), so they are not cloned.
+        entry.clone_first = self._last_n_out
+        self.logs.keep_last()
+        if not entry.out_leaves:
             warnings.warn("training_step returned no loss tensor; nothing is reported per step.", stacklevel=2)
+        if not entry.owns_grads:
+            # The gradient tensors this graph accumulates into; re-attached if Lightning drops them
+            # (on_validation_model_zero_grad sets them to None).
+            self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
 
     def _after_replay(self, entry: GraphEntry) -> None:
         delta = entry.meta.get("progress")
         if delta is not None:
             delta.apply()
-
-    def _emit(self, records: list[_LogRecord], values: list[Tensor]) -> None:
-        if not records:
-            return
-        pl_module = self.pl_module
-        prev = _compat.current_fx(pl_module)
-        it = iter(values)
-        try:
-            for rec in records:
-                _compat.set_current_fx(pl_module, rec.fx)
-                if rec.tensor:
-                    pl_module.log(rec.name, next(it), *rec.args, **rec.kwargs)
-                else:
-                    pl_module.log(rec.name, *rec.args, **rec.kwargs)
-        finally:
-            _compat.set_current_fx(pl_module, prev)
 
     # ------------------------------------------------------------------------------------------
     # guards and events
@@ -364,9 +336,6 @@ class LightningStepRunner:
             return msg
         return f"optimizer hyperparameter changed ({changed}); it is baked into the graph as a constant"
 
-    def _state_tensors(self) -> list[Tensor]:
-        return self.prep.state_tensors() if self.prep is not None else []
-
     def _mark_dirty(self, reprep: bool = False) -> None:
         if reprep and self.prep is not None:
             self.prep.apply()  # a loaded state may bring float lr / CPU step counters back
@@ -382,16 +351,10 @@ class LightningStepRunner:
         """Lightning frees gradients before validation; give the graphs' gradient buffers back."""
         if self.engine is None:
             return
-        if not self._grads:
-            self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
         for p, g in self._grads:
             if p.grad is None:
                 p.grad = g
         self.engine.dirty = True
-
-    def remember_grads(self) -> None:
-        if self.engine is not None and not self._grads:
-            self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
 
     def check_nan(self) -> None:
         """Read the NaN guard (one host sync); raise or report."""
@@ -411,3 +374,36 @@ class LightningStepRunner:
             return
         for state in checkpoint.get("optimizer_states", []):
             portable_optimizer_state(state, self.prep._saved)
+
+
+def _watched(pl_module: Any) -> list[tuple[str, Tensor]]:
+    """What a graph reads besides the trainable parameters: frozen parameters and buffers."""
+    out = [(n, p) for n, p in pl_module.named_parameters() if not p.requires_grad]
+    out.extend((f"buffer '{n}'", b) for n, b in pl_module.named_buffers())
+    return out
+
+
+def _refuse_group_writes(watch: ParamGroupWatch) -> None:
+    """Code inside the captured step assigned an optimizer hyperparameter: a replay would skip it."""
+    if not watch.changes:
+        return
+    idx, key, old, new, stack = watch.changes[0]
+    frame, library = locate_frames(list(stack))
+    where = f"{frame.filename}:{frame.lineno}: " if frame is not None else ""
+    hook = f"`{frame.name}`" if frame is not None else "code inside the training step"
+
+    def shown(v: Any) -> str:
+        return f"{float(v):g}" if isinstance(v, Tensor) and v.numel() == 1 else repr(v)
+
+    raise CaptureError(
+        f"{where}{hook} assigns optimizer.param_groups[{idx}][{key!r}] ({shown(old)} -> {shown(new)}) inside the "
+        "captured training step"
+        + (" (library code)" if library else "")
+        + ". A CUDA graph replay runs no Python, so every replay would use the value of the capture step and "
+        "training would silently differ from eager. Move this into an LR scheduler returned by "
+        "configure_optimizers (e.g. torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / "
+        "warmup_steps)) with interval='step'): schedulers run outside the graph and update the learning rate the "
+        "graph reads. Or pass on_capture_error='eager' to train this model without graphs.",
+        rule="hyperparameter-in-step",
+        location=f"{frame.filename}:{frame.lineno}" if frame is not None else None,
+    )

@@ -6,28 +6,32 @@ and user code still see a ``DDPStrategy``/``SingleDeviceStrategy``) mixed with t
 :class:`~.runner.LightningStepRunner`), and adds what only a strategy can do:
 
 * DDP: ``find_unused_parameters=True`` refused (its per-step search for unused parameters
-  runs on the host); at least 11 eager warm-up steps before capture (PyTorch's DDP + CUDA graph
-  guidance: the reducer rebuilds its buckets during the first iterations);
+  runs on the host); at least 11 x ``accumulate_grad_batches`` + 1 eager warm-up steps before
+  capture (DDP's reducer logs its first 10 synchronising iterations with CUDA events, a host sync);
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` set for this process only while the process group is
-  created, then restored; the model is wrapped on a side stream (Lightning's DDP already does);
-  the gradient all-reduce is captured inside the graph; gradient accumulation steps are captured
-  inside ``no_sync`` (Lightning enters it before the step, so the accumulation graph holds no
-  all-reduce and the stepping graph does).
+  created, then restored; the gradient all-reduce is captured inside the graph; gradient
+  accumulation steps are captured inside ``no_sync`` (Lightning enters it before the step, so the
+  accumulation graph holds no all-reduce and the stepping graph does).
 * The NaN guard observes gradients inside the strategy's ``optimizer_step``, before clipping.
 
-Refused with a reason: FSDP, DeepSpeed, ModelParallel, XLA.
+Refused with a reason: FSDP, DeepSpeed, ModelParallel, XLA, Megatron.
 """
+
+from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..core.config import CaptureConfig, CaptureStats
-from .runner import _REFUSED_STRATEGIES, LightningStepRunner
+from ..core.config import CaptureConfig, CaptureStats, with_capture_options
+from ..core.optim import portable_optimizer_state
+from . import _compat
+from .checks import REFUSED_STRATEGIES
+from .runner import LightningStepRunner
 
 __all__ = ["CudaGraphStrategy"]
 
@@ -42,69 +46,54 @@ class CudaGraphStrategy(Strategy):
 
         Trainer(accelerator="gpu", devices=1, strategy=CudaGraphStrategy())
         Trainer(accelerator="gpu", devices=8, strategy=CudaGraphStrategy("ddp"))
-        Trainer(..., strategy=CudaGraphStrategy(DDPStrategy(static_graph=True)))
+        Trainer(..., strategy=CudaGraphStrategy(DDPStrategy(static_graph=True), warmup_steps=20))
 
     Args:
         inner: ``None`` (single device), ``"ddp"``, or a configured ``SingleDeviceStrategy`` /
             ``DDPStrategy`` instance.
+        config: a :class:`~nemo_cudagraph_plugin.core.config.CaptureConfig` to start from.
         **options: the options of :class:`~nemo_cudagraph_plugin.core.config.CaptureConfig`
-            (the same as :class:`CudaGraphCallback`).
+            (the same typed keywords as :class:`CudaGraphCallback`).
 
     What is captured and what is not: as for :class:`CudaGraphCallback`.
     """
 
-    _cg_config: CaptureConfig
+    capture_config: CaptureConfig
     stats: CaptureStats
+    step_runner: LightningStepRunner
 
-    def __new__(cls, inner: Union[None, str, Strategy] = None, **options: Any) -> "CudaGraphStrategy":
+    @with_capture_options
+    def __new__(cls, inner: Union[None, str, Strategy] = None, config: Optional[CaptureConfig] = None, **options: Any) -> CudaGraphStrategy:
         if cls is not CudaGraphStrategy:  # a concrete mixed class being instantiated by copy/pickle
             return super().__new__(cls)
         base = _resolve_inner(inner)
-        mixed = _mixed_class(type(base))
-        obj = Strategy.__new__(mixed)
-        obj.__dict__.update(base.__dict__)
-        obj._cg_init(**options)
-        return obj
-
-    def __init__(self, inner: Union[None, str, Strategy] = None, **options: Any) -> None:
-        # State comes from the wrapped instance (copied in __new__); nothing to initialise twice.
-        pass
-
-    def _cg_init(
-        self,
-        enabled: bool = True,
-        warmup_steps: int = 3,
-        max_graphs: int = 8,
-        on_cache_full: Literal["eager", "evict"] = "eager",
-        on_capture_error: Literal["raise", "eager"] = "raise",
-        nan_guard: Union[bool, Literal["loss", "full"]] = True,
-        nan_check_every: int = 50,
-        nan_action: Literal["raise", "skip"] = "raise",
-        verify_steps: int = 0,
-        verify_rtol: float = 0.0,
-        sync_check: bool = True,
-        fp8_refresh: Union[bool, Literal["auto"]] = "auto",
-        align_pp_transposes: bool = False,
-    ) -> None:
-        if isinstance(self, DDPStrategy):
-            if self._ddp_kwargs.get("find_unused_parameters"):
+        cfg = CaptureConfig.build(config, options, owner="CudaGraphStrategy")
+        if isinstance(base, DDPStrategy):
+            if _compat.ddp_finds_unused_parameters(base):
                 raise ValueError(
                     "CudaGraphStrategy('ddp') cannot capture DDP with find_unused_parameters=True: DDP then searches "
                     "the autograd graph for unused parameters on the host every step. Make every parameter "
                     "contribute to the loss (or freeze unused ones) and use find_unused_parameters=False."
                 )
-            warmup_steps = max(warmup_steps, DDP_MIN_WARMUP)
-        self._cg_config = CaptureConfig.from_options(locals())
-        self.stats = CaptureStats()
-        self._cg_runner = LightningStepRunner(self._cg_config, self.stats)
+            cfg.warmup_steps = max(cfg.warmup_steps, DDP_MIN_WARMUP)
+        obj = _compat.rebase_strategy(base, _mixed_class(type(base)))
+        obj.capture_config = cfg
+        obj.stats = CaptureStats()
+        obj.step_runner = LightningStepRunner(cfg, obj.stats, owner="CudaGraphStrategy")
+        return obj
 
-    @property
-    def capture_config(self) -> CaptureConfig:
-        return self._cg_config
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # State comes from the wrapped instance (copied in __new__); nothing to initialise twice.
+        pass
 
     def register_generator(self, generator: torch.Generator) -> None:
         """Make an extra CUDA ``torch.Generator`` used inside the step graph-safe (torch >= 2.5)."""
-        self._cg_runner.generators.register(generator)
+        self.step_runner.generators.register(generator)
+
+    @property
+    def eager_reason(self) -> Optional[str]:
+        """Why this fit trained eagerly (``None`` when graphs were used)."""
+        return self.step_runner.eager_reason
 
     # -- distributed setup ----------------------------------------------------------------------
     def setup_distributed(self) -> None:  # only reached for DDP
@@ -121,26 +110,27 @@ class CudaGraphStrategy(Strategy):
                 os.environ[_ENV] = prev
 
     # -- step ownership --------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.step_runner.check_setup(trainer, self.lightning_module)
+
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        from .callback import CudaGraphCallback
-
-        if any(isinstance(cb, CudaGraphCallback) for cb in trainer.callbacks):
-            raise ValueError(
-                "Both CudaGraphCallback and CudaGraphStrategy are configured; they capture the same step. "
-                "Keep one: remove the callback (pass its options to CudaGraphStrategy) or use a plain strategy."
-            )
         if isinstance(self, DDPStrategy):
             # DDP's reducer collects runtime statistics with CUDA events (a host sync) during its
             # first 10 *synchronising* iterations; under accumulation only every k-th batch syncs.
             need = DDP_MIN_WARMUP * trainer.accumulate_grad_batches + 1
-            if self._cg_config.warmup_steps < need:
-                self._cg_config.warmup_steps = need
-        self._cg_runner.bind(trainer, self.lightning_module)
+            if self.capture_config.warmup_steps < need:
+                self.capture_config.warmup_steps = need
+        self.step_runner.bind(trainer, self.lightning_module)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.step_runner.count_unbound_step()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        runner = self._cg_runner
+        runner = self.step_runner
 
         def closure_then_observe() -> Any:
             out = closure()
@@ -150,45 +140,32 @@ class CudaGraphStrategy(Strategy):
 
         return super().optimizer_step(optimizer, closure_then_observe, model, **kwargs)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if not self._cg_runner._grads and self._cg_runner.active:
-            self._cg_runner.remember_grads()
-
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        self._cg_runner.reattach_grads()
+        self.step_runner.reattach_grads()
 
     def on_train_end(self) -> None:
         try:
-            self._cg_runner.check_nan()
+            self.step_runner.check_nan()
         finally:
-            self._cg_runner.unbind()
+            self.step_runner.unbind()
             super().on_train_end()
-        if self._cg_runner.engine is not None:
-            rank_zero_info(f"CudaGraphStrategy: {self.stats.summary()}")
+        rank_zero_info(f"CudaGraphStrategy: {self.stats.summary()}")
 
     def on_exception(self, exception: BaseException) -> None:
-        self._cg_runner.unbind()
+        self.step_runner.unbind()
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        self._cg_runner.unbind()
+        self.step_runner.unbind()
         super().teardown()
 
     def optimizer_state(self, optimizer: Any) -> dict:
         state = super().optimizer_state(optimizer)
-        if self._cg_runner.prep is not None:
-            from ..core.optim import portable_optimizer_state
-
-            # state_dict() shares nothing mutable we change below except the copied group dicts.
-            portable_optimizer_state(state, self._cg_runner.prep._saved)
+        if self.step_runner.prep is not None:
+            # Checkpoints get float lr/betas and the user's kernel flags, so they load anywhere.
+            portable_optimizer_state(state, self.step_runner.prep._saved)
         return state
-
-    @property
-    def eager_reason(self) -> Optional[str]:
-        r = self._cg_runner
-        return r.eager_reason or (r.engine.disabled_reason if r.engine else None)
 
 
 _MIXED: dict[type, type] = {}
@@ -216,9 +193,9 @@ def _resolve_inner(inner: Union[None, str, Strategy]) -> Strategy:
     if isinstance(inner, CudaGraphStrategy):
         raise ValueError("CudaGraphStrategy(CudaGraphStrategy(...)): wrap a plain strategy once.")
     for cls in type(inner).__mro__:
-        if cls.__name__ in _REFUSED_STRATEGIES:
+        if cls.__name__ in REFUSED_STRATEGIES:
             raise ValueError(
-                f"CudaGraphStrategy cannot wrap {type(inner).__name__}: {_REFUSED_STRATEGIES[cls.__name__]}. "
+                f"CudaGraphStrategy cannot wrap {type(inner).__name__}: {REFUSED_STRATEGIES[cls.__name__]}. "
                 "Supported: SingleDeviceStrategy and DDPStrategy."
             )
     if not isinstance(inner, (SingleDeviceStrategy, DDPStrategy)):

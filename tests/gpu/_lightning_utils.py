@@ -20,7 +20,6 @@ class Recorder(pl.Callback):
         self.losses: list[torch.Tensor] = []
         self.logged: list[torch.Tensor] = []
         self.global_steps: list[int] = []
-        self.lrs: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"])

@@ -335,24 +335,23 @@ def test_bf16_mixed_parity():
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_sgd_momentum_and_plain_adam(opt_name):
-    if True:
-        class M(type(make_module())):
-            def configure_optimizers(self):
-                if opt_name == "sgd":
-                    return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-                return torch.optim.Adam(self.parameters(), lr=1e-3)
+    class M(type(make_module())):
+        def configure_optimizers(self):
+            if opt_name == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-        def run(cbs):
-            pl.seed_everything(0, verbose=False)
-            from recipes.gpt import get_config
+    def run(cbs):
+        pl.seed_everything(0, verbose=False)
+        from recipes.gpt import get_config
 
-            return fit(M(get_config("tiny", n_layer=2, seq_len=256)), cbs, 30)
+        return fit(M(get_config("tiny", n_layer=2, seq_len=256)), cbs, 30)
 
-        cb = CudaGraphCallback()
-        _, g = run([cb])
-        _, e = run([CapturableEager()])
-        assert cb.stats.replays > 20, (opt_name, cb.stats.summary())
-        assert torch.equal(g.loss_tensor(), e.loss_tensor()), (opt_name, max_rel(g.loss_tensor(), e.loss_tensor()))
+    cb = CudaGraphCallback()
+    _, g = run([cb])
+    _, e = run([CapturableEager()])
+    assert cb.stats.replays > 20, (opt_name, cb.stats.summary())
+    assert torch.equal(g.loss_tensor(), e.loss_tensor()), (opt_name, max_rel(g.loss_tensor(), e.loss_tensor()))
 
 
 def test_lbfgs_is_refused_with_a_clear_message():

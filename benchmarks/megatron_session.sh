@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The one GPU-host run for issue #15 (megatron-core 0.16.1 + TransformerEngine 2.20.2 on one GPU).
+#
+#   OUT=/some/dir bash benchmarks/megatron_session.sh            (carry .te/final and .whl)
+#
+# Installs TE (.te/final/install_on_host.sh, slices already in /tmp/te) unless it imports, then the carried
+# megatron-core wheel (.whl/), then runs the arms of benchmarks/megatron_bed.py, each in its own process with its
+# own time limit (one failing or hanging arm does not stop the others), then the GPU test on the arms' records,
+# then the report. Deadlines shorten or skip the last parts: RUN_BUDGET seconds after the installs (default 360)
+# and TOTAL_BUDGET seconds from the start (default 530). Everything goes under $OUT (4 files): session.log,
+# megatron_record.md, megatron_record.json, parts.tgz (each arm's JSON record). The short table is printed last.
+set -u
+START=$SECONDS
+RUN_START=$SECONDS
+RUN_BUDGET=${RUN_BUDGET:-360}
+TOTAL_BUDGET=${TOTAL_BUDGET:-530}
+OUT=${OUT:-out/megatron_session}
+mkdir -p "$OUT/parts"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=0 NCCL_GRAPH_REGISTER=0
+LOG="$OUT/session.log"
+: > "$LOG"
+declare -a ROWS
+say() { echo "[megatron_session $((SECONDS - START))s] $*" | tee -a "$LOG"; }
+
+# part NAME LIMIT CMD...: run with min(LIMIT, time left - 20 s); skipped when under 20 s are left.
+part() {
+    local name=$1 limit=$2 left left_total t0=$SECONDS rc
+    shift 2
+    left=$((RUN_BUDGET - (SECONDS - RUN_START) - 20))
+    left_total=$((TOTAL_BUDGET - (SECONDS - START) - 20))
+    [ "$left_total" -lt "$left" ] && left=$left_total
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then
+        ROWS+=("$(printf '%-18s SKIPPED (budget)' "$name")")
+        say "skip $name: ${left}s left"
+        return 0
+    fi
+    echo "===== $name (limit ${limit}s): $*" >> "$LOG"
+    BED_HANG_DUMP=$((limit - 8)) timeout -k 5 "$limit" "$@" >> "$LOG" 2>&1
+    rc=$?
+    ROWS+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+    return 0
+}
+
+# --- installs ------------------------------------------------------------------------------------------------
+if python3 -c "import transformer_engine.pytorch" > /dev/null 2>&1; then
+    say "TransformerEngine already imports: install skipped"
+else
+    part te_install 240 bash .te/final/install_on_host.sh
+fi
+whl=$(ls .whl/megatron_core-0.16.1-*.whl 2> /dev/null | head -1)
+if python3 -c "import megatron.core, sys; sys.exit(0 if megatron.core.__version__ == '0.16.1' else 1)" > /dev/null 2>&1; then
+    say "megatron-core 0.16.1 already installed"
+elif [ -n "$whl" ]; then
+    part mcore_install 60 python3 -m pip install -q --no-index --no-deps "$whl"
+else
+    say "no .whl/megatron_core-0.16.1-*.whl carried: the arms will fail to import megatron.core"
+fi
+python3 - >> "$LOG" 2>&1 <<'PY'
+import torch
+print("versions: torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")
+for m in ("transformer_engine", "megatron.core"):
+    try:
+        mod = __import__(m, fromlist=["__version__"]); print("versions:", m, mod.__version__)
+    except Exception as e:
+        print("versions:", m, "FAILED", type(e).__name__, e)
+PY
+say "installs done"
+RUN_START=$SECONDS
+
+# --- the arms (priority order) -------------------------------------------------------------------------------
+BED="python3 -X faulthandler benchmarks/megatron_bed.py"
+P="$OUT/parts"
+MAIN="--steps 120 --verify-every 10 --param-gather-refresh"
+part eager_a 75 $BED --mode eager $MAIN --tag eager_a --out "$P/eager_a.json"
+part layer 90 $BED --mode layer $MAIN --tag layer --out "$P/layer.json"
+part full 90 $BED --mode full $MAIN --tag full --out "$P/full.json"
+part eager_b 75 $BED --mode eager $MAIN --tag eager_b --out "$P/eager_b.json"
+# FP8: a forced param sync every 10 steps (NeMo's save_checkpoint), without / with the completion-path refresh.
+FP8="--steps 60 --verify-every 0 --force-sync-every 10"
+part fp8_forced 60 $BED --mode eager $FP8 --tag fp8_forced --out "$P/fp8_forced.json"
+part fp8_forced_fixed 60 $BED --mode eager $FP8 --param-gather-refresh --tag fp8_forced_fixed --out "$P/fp8_forced_fixed.json"
+# Seed 000 (Megatron-LM #1279): per-layer graphs with megatron-core's grad_added_to_main_grad restore removed,
+# without and with the flag's decision.
+SEED="--mode layer --steps 40 --verify-every 0 --break-grad-added"
+part seed000_break 60 $BED $SEED --tag seed000_break --out "$P/seed000_break.json"
+part seed000_guard 60 $BED $SEED --guard-fused-wgrad --tag seed000_guard --out "$P/seed000_guard.json"
+# The old approach (force the all-gather + refresh after every step), for its ms/step; and the whole-iteration
+# graph with the all-gather left in the optimizer step (outside the graph), in case the overlapped one fails.
+part align_each_step 60 $BED --mode eager --steps 60 --verify-every 10 --align-every-step --tag align_each_step --out "$P/align_each_step.json"
+part full_sync_ag 70 $BED --mode full --steps 120 --verify-every 10 --no-overlap-param-gather --tag full_sync_ag --out "$P/full_sync_ag.json"
+
+# --- the GPU test on these records, and the report -------------------------------------------------------------
+part gpu_test 60 env MEGATRON_BED_RECORDS="$P" python3 -m pytest tests/gpu/test_megatron_gpu.py -q -rs -p no:cacheprovider
+ARMS="eager_a eager_b layer full full_sync_ag fp8_forced fp8_forced_fixed align_each_step seed000_break seed000_guard"
+python3 benchmarks/megatron_bed.py report $(for a in $ARMS; do [ -f "$P/$a.json" ] && echo "$P/$a.json"; done) \
+    --md "$OUT/megatron_record.md" --json "$OUT/megatron_record.json" > "$OUT/table.txt" 2>> "$LOG"
+tar czf "$OUT/parts.tgz" -C "$OUT" parts && rm -rf "$P"
+cat "$OUT/table.txt" >> "$LOG"
+echo "----- tail of the log -----"
+grep -E "^(versions|BED |[0-9]+ (passed|failed)|FAILED|ERROR|E  )|passed|failed" "$LOG" | cut -c1-220 | tail -25
+printf '%s\n' "${ROWS[@]}"
+cat "$OUT/table.txt"
+rm -f "$OUT/table.txt"

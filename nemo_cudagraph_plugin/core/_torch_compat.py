@@ -1,0 +1,77 @@
+"""Every use of torch's private or underscore APIs by the core, behind one version check.
+
+Checked against torch 2.4 - 2.13 (2.11 on the GPU host, 2.13 CPU in CI). Above the newest tested
+version the package still runs and warns once; below the minimum it refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from packaging.version import Version
+from torch import Tensor
+
+from .warn import warn_once
+
+__all__ = [
+    "TORCH_VERSION",
+    "check_torch_version",
+    "copy_all",
+    "foreach_max_abs",
+    "quiet_uncaptured_capturable",
+    "set_found_inf",
+    "clear_found_inf",
+]
+
+TORCH_VERSION = Version(torch.__version__.split("+")[0])
+MIN_TORCH = Version("2.4.0")
+MAX_TESTED_TORCH = Version("2.13.99")
+
+
+def check_torch_version() -> None:
+    if TORCH_VERSION < MIN_TORCH:
+        raise RuntimeError(f"nemo_cudagraph_plugin needs torch >= {MIN_TORCH}, found {TORCH_VERSION}.")
+    if TORCH_VERSION > MAX_TESTED_TORCH:
+        warn_once(
+            "torch-version",
+            f"nemo_cudagraph_plugin was tested with torch {MIN_TORCH} - 2.13; found {TORCH_VERSION}. It uses "
+            "torch._foreach_norm/_foreach_copy_ and optimizer attributes (found_inf, "
+            "_warned_capturable_if_run_uncaptured); please report problems.",
+        )
+
+
+_has_foreach_copy = hasattr(torch, "_foreach_copy_")
+
+
+def copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
+    """``d.copy_(s, non_blocking=True)`` for each pair: one multi-tensor launch where torch has one."""
+    if len(dst) == 1:
+        dst[0].copy_(src[0], non_blocking=True)
+    elif _has_foreach_copy and len(dst) > 1:
+        torch._foreach_copy_(dst, src, non_blocking=True)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+
+
+def foreach_max_abs(tensors: list[Tensor]) -> list[Tensor]:
+    """Each tensor's max |x| (non-finite iff the tensor holds a NaN/Inf; unlike the 2-norm it cannot
+    overflow for finite values), in one multi-tensor kernel on CUDA."""
+    return list(torch._foreach_norm(tensors, float("inf")))
+
+
+def quiet_uncaptured_capturable(optimizer: Any) -> None:
+    """Warm-up steps run a capturable optimizer outside a graph on purpose; torch would warn once."""
+    optimizer._warned_capturable_if_run_uncaptured = True
+
+
+def set_found_inf(optimizer: Any, found_inf: Tensor) -> None:
+    """torch's fused Adam/AdamW/SGD read ``optimizer.found_inf`` and skip the update on the device."""
+    optimizer.found_inf = found_inf
+
+
+def clear_found_inf(optimizer: Any, found_inf: Tensor) -> None:
+    if getattr(optimizer, "found_inf", None) is found_inf:
+        del optimizer.found_inf

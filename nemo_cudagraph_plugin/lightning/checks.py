@@ -1,0 +1,130 @@
+"""Can this fit be graphed? One definition of every refusal, checked as early as it can be.
+
+What needs no GPU (strategy, automatic optimization, precision, the optimizers) is checked on any
+machine — a user learns on a laptop that their module cannot be graphed — and only then whether a
+CUDA device is there. Each refusal has a short ``label`` (the key in ``stats.eager_reasons``) and
+a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..core.config import CaptureConfig
+from ..core.optim import check_optimizer_supported
+
+__all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "optimizer_refusal", "device_refusal", "check_single_owner"]
+
+REFUSED_STRATEGIES = {
+    "FSDPStrategy": "FSDP re-shards parameters and allocates gradient buffers inside every step",
+    "DeepSpeedStrategy": "DeepSpeed's engine owns the optimizer step and synchronises with the host",
+    "ModelParallelStrategy": "DTensor/FSDP2 collectives and re-sharding are not captured by this plugin",
+    "XLAStrategy": "CUDA graphs need a CUDA device",
+    "MegatronStrategy": (
+        "NeMo's MegatronStrategy drives the step with Megatron's pipeline schedules (a dataloader_iter training step), "
+        "not Lightning's closure; use nemo_cudagraph_plugin.nemo.with_cuda_graph(recipe), which turns on "
+        "Megatron-core's own CUDA graphs and keeps our FP8 transpose care"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a fit is not graphed.
+
+    Attributes:
+        label: short reason, the key counted in ``stats.eager_reasons``.
+        message: what is wrong and what to change.
+        soft: train eagerly with one warning even with ``on_capture_error="raise"`` (the user chose
+            it, or the machine has no GPU); otherwise a :class:`CaptureError` unless
+            ``on_capture_error="eager"``.
+    """
+
+    label: str
+    message: str
+    soft: bool = False
+
+
+def _mro_names(obj: Any) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
+def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: str) -> Optional[Refusal]:
+    """Refusals known at ``setup`` on any machine: options, strategy, optimization mode, precision."""
+    if not config.enabled:
+        return Refusal("disabled", "disabled by the user (enabled=False)", soft=True)
+    strategy = trainer.strategy
+    names = _mro_names(strategy)
+    for refused, why in REFUSED_STRATEGIES.items():
+        if refused in names:
+            return Refusal(
+                "unsupported strategy",
+                f"{type(strategy).__name__} is not supported: {why}. Use a single device or CudaGraphStrategy('ddp')",
+            )
+    if owner == "CudaGraphCallback" and "DDPStrategy" in names:
+        return Refusal(
+            "callback with DDP",
+            f"CudaGraphCallback does not capture {type(strategy).__name__}: DDP capture needs NCCL async error handling "
+            "off before the process group is created and >= 11 x accumulate_grad_batches + 1 eager warm-up steps, "
+            "which only a strategy can arrange. Use Trainer(strategy=CudaGraphStrategy('ddp'), ...) (or "
+            "CudaGraphStrategy(DDPStrategy(...)) with your DDP settings) instead of the callback",
+        )
+    if not pl_module.automatic_optimization:
+        return Refusal(
+            "manual optimization",
+            "manual optimization (automatic_optimization=False) is not captured: the step's structure is your "
+            "code, so the plugin cannot see where it begins and ends. Capture your own step with "
+            "nemo_cudagraph_plugin.core.CaptureEngine, or use automatic optimization",
+        )
+    precision = str(trainer.precision)
+    if precision.startswith("16") or precision in ("fp16", "half"):
+        return Refusal(
+            "fp16 precision",
+            f"precision={precision!r} uses a GradScaler, whose step reads found_inf on the host every step; use "
+            "precision='bf16-mixed' (or '32-true')",
+        )
+    return None
+
+
+def optimizer_refusal(trainer: Any) -> Optional[Refusal]:
+    """Refusals known once the optimizers exist (``on_train_start``), on any machine."""
+    n = len(trainer.optimizers)
+    if n != 1:
+        return Refusal(
+            "optimizers", f"automatic optimization with {n} optimizers is not captured; use one optimizer"
+        )
+    try:
+        check_optimizer_supported(trainer.optimizers[0])
+    except TypeError as exc:
+        return Refusal("optimizer", str(exc).rstrip("."))
+    return None
+
+
+def device_refusal(pl_module: Any) -> Optional[Refusal]:
+    """Last: is there a CUDA device the model is on?"""
+    if not torch.cuda.is_available():
+        return Refusal("no CUDA device", "no CUDA device is available", soft=True)
+    if pl_module.device.type != "cuda":
+        return Refusal(
+            "model not on CUDA",
+            f"the model is on {pl_module.device}, not on a CUDA device (Trainer(accelerator='gpu'))",
+            soft=True,
+        )
+    return None
+
+
+def check_single_owner(trainer: Any) -> None:
+    """One step has one owner: a ``CudaGraphCallback`` and a ``CudaGraphStrategy`` together is an error."""
+    from .runner import LightningStepRunner
+
+    owners = [cb for cb in trainer.callbacks if isinstance(getattr(cb, "step_runner", None), LightningStepRunner)]
+    if isinstance(getattr(trainer.strategy, "step_runner", None), LightningStepRunner):
+        owners.append(trainer.strategy)
+    if len(owners) > 1:
+        raise ValueError(
+            "Both CudaGraphCallback and CudaGraphStrategy are configured; they capture the same step. "
+            "Keep one: remove the callback (pass its options to CudaGraphStrategy) or use a plain strategy."
+        )
