@@ -154,3 +154,25 @@ def test_callback_and_strategy_together_is_one_clear_error():
     s = CudaGraphStrategy("single_device")
     with pytest.raises(ValueError, match="Both CudaGraphCallback and CudaGraphStrategy"):
         _trainer([CudaGraphCallback()], strategy=s).fit(_module(), _loader())
+
+
+def test_adapters_warn_once_above_the_newest_tested_version_and_refuse_below_the_minimum(monkeypatch):
+    from packaging.version import Version
+
+    import nemo_cudagraph_plugin.core._torch_compat as tc
+    import nemo_cudagraph_plugin.core.warn as warn_mod
+    from nemo_cudagraph_plugin.lightning import _compat
+
+    monkeypatch.setattr(warn_mod, "_WARNED", set())
+    monkeypatch.setattr(_compat, "LIGHTNING_VERSION", Version("9.0.0"))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _compat.check_lightning_version()
+        _compat.check_lightning_version()
+    assert len(w) == 1 and "tested with lightning 2.4.0 - 2.6.6; found 9.0.0" in str(w[0].message)
+    monkeypatch.setattr(_compat, "LIGHTNING_VERSION", Version("2.3.0"))
+    with pytest.raises(RuntimeError, match="needs lightning >= 2.4.0"):
+        _compat.check_lightning_version()
+    monkeypatch.setattr(tc, "TORCH_VERSION", Version("9.0.0"))
+    with pytest.warns(UserWarning, match="tested with torch"):
+        tc.check_torch_version()

@@ -13,7 +13,7 @@ import torch
 from packaging.version import Version
 from torch import Tensor
 
-from .warn import warn_once
+from .warn import check_tested_version
 
 __all__ = [
     "TORCH_VERSION",
@@ -27,19 +27,14 @@ __all__ = [
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 MIN_TORCH = Version("2.4.0")
-MAX_TESTED_TORCH = Version("2.13.99")
+MAX_TESTED_TORCH = Version("2.13.0")
 
 
 def check_torch_version() -> None:
-    if TORCH_VERSION < MIN_TORCH:
-        raise RuntimeError(f"nemo_cudagraph_plugin needs torch >= {MIN_TORCH}, found {TORCH_VERSION}.")
-    if TORCH_VERSION > MAX_TESTED_TORCH:
-        warn_once(
-            "torch-version",
-            f"nemo_cudagraph_plugin was tested with torch {MIN_TORCH} - 2.13; found {TORCH_VERSION}. It uses "
-            "torch._foreach_norm/_foreach_copy_ and optimizer attributes (found_inf, "
-            "_warned_capturable_if_run_uncaptured); please report problems.",
-        )
+    check_tested_version(
+        "torch", TORCH_VERSION, MIN_TORCH, MAX_TESTED_TORCH,
+        "torch._foreach_norm/_foreach_copy_ and optimizer attributes (found_inf, _warned_capturable_if_run_uncaptured)",
+    )
 
 
 _has_foreach_copy = hasattr(torch, "_foreach_copy_")

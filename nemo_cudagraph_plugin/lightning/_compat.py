@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 from packaging.version import Version
 
-from ..core.warn import warn_once
+from ..core.warn import check_tested_version
 
 __all__ = [
     "LIGHTNING_VERSION",
@@ -46,17 +46,10 @@ _MAX_TESTED = Version("2.6.6")
 
 def check_lightning_version() -> None:
     """Refuse Lightning older than 2.4; warn once above the newest version this adapter was tested with."""
-    if LIGHTNING_VERSION < _MIN:
-        raise RuntimeError(
-            f"nemo_cudagraph_plugin needs lightning >= {_MIN}, found {LIGHTNING_VERSION}. pip install -U lightning"
-        )
-    if LIGHTNING_VERSION > _MAX_TESTED:
-        warn_once(
-            "lightning-version",
-            f"nemo_cudagraph_plugin's Lightning adapter was tested with lightning {_MIN} - {_MAX_TESTED}; found "
-            f"{LIGHTNING_VERSION}. It wraps _AutomaticOptimization.run and mirrors its progress counters; if "
-            "training looks different with graphs, compare with verify_steps=5 and please report it.",
-        )
+    check_tested_version(
+        "lightning", LIGHTNING_VERSION, _MIN, _MAX_TESTED,
+        "_AutomaticOptimization.run, its progress counters and the logger connector's result collection",
+    )
 
 
 def automatic_loop(trainer: pl.Trainer) -> Any:
