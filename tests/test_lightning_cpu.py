@@ -1,83 +1,555 @@
-"""CPU tests of the Lightning adapter: eager fallback with a real Trainer, option plumbing, refusals,
-log re-emission and progress bookkeeping (the parts of a replay that are Python)."""
+"""The Lightning adapter on CPU with a real ``Trainer``: the real callback, runner and capture engine, with
+``tests/_tape.py``'s stand-in for CUDA graphs (a tape of aten ops replayed on the memory it recorded).
+
+Each graphed run is compared with plain eager Lightning on the same seed and data, bit for bit: per-step
+losses, the logged ``train_loss``, ``global_step``, final parameters and Lightning's progress counters.
+Learning rates are powers of two, so the engine's float32 learning-rate tensor holds exactly the float
+eager Lightning uses. The module's AdamW is ``fused=True``: torch's CPU AdamW accepts the
+``capturable=True`` the engine sets only on its fused kernel.
+
+Also here: the refusals and option plumbing that need no graph, and the hazards of issue #12 (values baked
+into a graph, re-allocated state, ``verify_steps``, the NaN guard inside the sync-checked warm-up).
+"""
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections import OrderedDict
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from _tape import TapeBackend
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
-from nemo_cudagraph_plugin import CaptureConfig, CaptureStats, CudaGraphCallback, CudaGraphStrategy
-from nemo_cudagraph_plugin.lightning import _compat
-from nemo_cudagraph_plugin.lightning.runner import LightningStepRunner
-from recipes.gpt import GPTLightningModule, TokenDataset, get_config
+from nemo_cudagraph_plugin import (
+    CaptureConfig,
+    CaptureError,
+    CudaGraphCallback,
+    CudaGraphStrategy,
+    NonFiniteError,
+)
+from nemo_cudagraph_plugin.core import ParityError
+from nemo_cudagraph_plugin.lightning import _compat, checks
+from recipes.gpt import GPTLightningModule, get_config
+
+CFG = get_config("tiny", n_layer=1, n_embd=64, n_head=2, seq_len=32)
+LR = 2.0**-10  # exact in float32 (see the module docstring)
 
 
-def _module(seed=0, **kw):
-    pl.seed_everything(seed, verbose=False)
-    return GPTLightningModule(get_config("tiny", n_layer=1, n_embd=64, n_head=2, seq_len=32), **kw)
+class TinyGPT(GPTLightningModule):
+    """recipes.gpt's module with a fused AdamW, an optional step-interval LR scheduler and hazards to switch on."""
+
+    def __init__(self, sched=None, late_param=False, extra_for_long=0, poison_param=None, python_logs=False,
+                 baked_counter=False, lr_in_optimizer_step=False, dropout=0.0):
+        super().__init__(CFG.replace(dropout=dropout), lr=LR)
+        self.sched = sched
+        # a parameter that first gets a gradient at batch 2 (the last warm-up step), and one that never gets one:
+        # the set of gradients is then new, and not all of them, at that step
+        self.late = nn.Parameter(torch.zeros(())) if late_param else None
+        self.never = nn.Parameter(torch.zeros(())) if late_param else None
+        # a block used only for sequences longer than this: its first gradient comes with the first long batch
+        self.extra = nn.Linear(CFG.n_embd, CFG.vocab_size) if extra_for_long else None
+        self.extra_for_long = extra_for_long
+        self.poison_param = poison_param
+        self.python_logs = python_logs
+        self.baked_counter = baked_counter
+        self.lr_in_optimizer_step = lr_in_optimizer_step
+        self.calls = 0
+
+    def on_fit_start(self):
+        if self.poison_param is not None:
+            # the gradient of this parameter times the batch's `poison` (1.0, or NaN in one batch): the loss
+            # of that step stays finite, only the gradient check can see it
+            dict(self.named_parameters())[self.poison_param].register_hook(lambda g: g * self._poison)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        if self.extra is not None and ids.shape[1] > self.extra_for_long:
+            h = self.model.ln_f(self.model.blocks[0](self.model.emb(ids)))
+            logits = self.model.head(h) + self.extra(h)
+        else:
+            logits = self(ids)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        if self.late is not None and batch_idx >= 2:
+            loss = loss * (1 + self.late)
+        if self.poison_param is not None:
+            self._poison = batch["poison"].prod()
+        if self.baked_counter:
+            self.calls += 1
+            loss = loss + self.calls  # a Python value inside the step: the loss differs, the gradients do not
+        self.log("train_loss", loss)
+        self.log("loss_epoch_mean", loss, on_step=False, on_epoch=True)
+        if self.python_logs:
+            self.log("const", 1.5)
+            self.log("batch_idx_py", float(batch_idx))
+        return loss
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.lr_in_optimizer_step:
+            for pg in optimizer.param_groups:
+                pg["lr"] = LR * min(1.0, (self.trainer.global_step + 1) / 4)  # LR-IN-STEP
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=LR, betas=(0.9, 0.95), fused=True)
+        if self.sched is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.sched(opt), "interval": "step"}}
 
 
-def _loader(n=12):
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(TokenDataset(torch.randint(0, 256, (2000,), generator=g), 32, num_samples=n * 2), batch_size=2)
+class Windows(Dataset):
+    """Token windows; ``lengths`` cycles per batch of 2; ``poison_at``: the batch whose `poison` is NaN."""
+
+    def __init__(self, n_batches, lengths=(32,), poison_at=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for i in range(2 * n_batches):
+            t = lengths[(i // 2) % len(lengths)]
+            x = torch.randint(0, CFG.vocab_size, (t + 1,), generator=g)
+            item = {"input_ids": x[:-1], "labels": x[1:]}
+            if poison_at is not None:
+                item["poison"] = torch.tensor(float("nan") if i // 2 == poison_at else 1.0)
+            self.items.append(item)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
 
 
 class Rec(pl.Callback):
+    """Per step: the loss, the kept loss tensor, the logged train_loss (value and object), global_step, the lr."""
+
     def __init__(self):
-        self.losses, self.logged, self.steps = [], [], []
+        self.losses, self.kept, self.logged, self.logged_t, self.steps, self.lrs, self.val = [], [], [], [], [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.kept.append(outputs["loss"])
         self.losses.append(float(outputs["loss"]))
-        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        m = trainer.callback_metrics["train_loss"]
+        self.logged_t.append(m)
+        self.logged.append(float(m))
         self.steps.append(trainer.global_step)
 
+    def on_validation_end(self, trainer, pl_module):
+        if "val_loss" in trainer.callback_metrics:
+            self.val.append(float(trainer.callback_metrics["val_loss"]))
 
-def _fit(module, callbacks=(), strategy="auto", steps=12, **kw):
+
+class Run:
+    def __init__(self, trainer, rec, cb, module):
+        self.trainer, self.rec, self.cb, self.module = trainer, rec, cb, module
+        self.params = [p.detach().clone() for p in module.parameters()]
+        loop = trainer.fit_loop.epoch_loop
+        self.progress = (loop.automatic_optimization.optim_progress.state_dict(), loop.batch_progress.state_dict())
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    @property
+    def stats(self):
+        return self.cb.stats
+
+
+def fit(graphed=True, module_kw=None, cb_kw=None, callbacks=(), steps=12, n_batches=None, lengths=(32,),
+        poison_at=None, val_batches=0, **trainer_kw):
+    pl.seed_everything(0, verbose=False)
+    module = TinyGPT(**(module_kw or {}))
+    cbs = list(callbacks)
+    cb = None
+    if graphed:
+        cb = CudaGraphCallback(**(cb_kw or {}))
+        cb.step_runner.backend = TapeBackend()
+        cbs.insert(0, cb)
     rec = Rec()
-    t = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=[*callbacks, rec],
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
-    t.fit(module, train_dataloaders=_loader(steps * kw.get("accumulate_grad_batches", 1)))
-    return t, rec
+    # max_epochs: the data is one epoch of `steps`; a break that stops global_step must end the fit, not hang it
+    trainer_kw.setdefault("max_epochs", 2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[*cbs, rec], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, **trainer_kw)
+    acc = trainer_kw.get("accumulate_grad_batches", 1)
+    train = DataLoader(Windows(n_batches or steps * acc, lengths, poison_at), batch_size=2)
+    val = DataLoader(Windows(val_batches, seed=1), batch_size=2) if val_batches else None
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
+    return Run(trainer, rec, cb, module)
 
 
+def _frozen(v):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v
+
+
+_EAGER: dict = {}
+
+
+def eager(**kw):
+    """Plain Lightning with the same module, data, callbacks and trainer settings (cached per settings)."""
+    key = _frozen(kw)
+    if key not in _EAGER:
+        _EAGER[key] = fit(graphed=False, **kw)
+    return _EAGER[key]
+
+
+def assert_same(g, e, params=True):
+    assert g.rec.losses == e.rec.losses, "per-step losses differ"
+    assert g.rec.logged == e.rec.logged, "logged train_loss differs"
+    assert g.rec.steps == e.rec.steps, "global_step per step differs"
+    if params:
+        bad = [i for i, (a, b) in enumerate(zip(g.params, e.params)) if not torch.equal(a, b)]
+        assert not bad, f"parameters {bad} differ from eager"
+
+
+def graphed_and_eager(cb_kw=None, **kw):
+    """The graphed fit and the eager one (``callbacks`` go to both)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fit(cb_kw=cb_kw, **kw), eager(**kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# graphed == eager
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("acc,steps", [(1, 12), (2, 8), (3, 6)])
+def test_graphed_fit_equals_eager_lightning_bitwise(acc, steps):
+    g, e = graphed_and_eager(steps=steps, accumulate_grad_batches=acc)
+    phases = 1 if acc == 1 else 3 if acc >= 3 else 2
+    assert g.stats.captures == phases and g.stats.replays >= steps * acc - 3 - 2 * phases, g.stats.summary()
+    assert_same(g, e)
+    assert g.progress == e.progress, "Lightning's progress counters differ"
+    assert g.metrics["loss_epoch_mean"] == e.metrics["loss_epoch_mean"], "on_epoch reduction saw other values"
+    # a loss (and a logged value) kept by the user is this step's, not overwritten by later replays
+    assert [float(t) for t in g.rec.kept] == g.rec.losses
+    assert [float(t) for t in g.rec.logged_t] == g.rec.logged
+
+
+def test_lr_scheduler_changes_the_lr_every_replayed_step_reads():
+    kw = dict(module_kw={"sched": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)})
+    g, e = graphed_and_eager(steps=12, **kw)
+    assert g.stats.replays == 8
+    assert len(set(g.rec.lrs[4:])) >= 4, f"the learning rate did not change during replays: {g.rec.lrs}"
+    assert g.rec.lrs == e.rec.lrs
+    assert_same(g, e)
+
+
+@pytest.mark.parametrize("algo,val", [("norm", 0.05), ("value", 0.002)])
+def test_gradient_clipping(algo, val):
+    g, e = graphed_and_eager(steps=10, gradient_clip_val=val, gradient_clip_algorithm=algo)
+    assert g.stats.replays == 6
+    assert_same(g, e)
+    unclipped = eager(steps=10)
+    assert unclipped.rec.losses != e.rec.losses, "the clip value does not clip: this test would prove nothing"
+
+
+@pytest.mark.parametrize("policy", ["evict", "eager"])
+def test_variable_shapes_and_graph_cache_limit(policy):
+    lengths = (32, 32, 24, 24, 16, 16)  # three signatures, two graphs: every signature change evicts (LRU)
+    g, e = graphed_and_eager(cb_kw={"max_graphs": 2, "on_cache_full": policy}, steps=18, lengths=lengths)
+    s = g.stats
+    assert s.graphs == 2 and s.replays > 0
+    if policy == "evict":
+        assert s.captures > 3 and "graph cache full" not in s.eager_reasons
+    else:
+        assert s.captures == 2 and s.eager_reasons.get("graph cache full", 0) >= 3
+    assert_same(g, e)
+
+
+@pytest.mark.parametrize("acc", [1, 2])
+def test_validation_in_between_keeps_graphs_and_results(acc):
+    # Lightning sets every .grad to None around validation; graphs that accumulate into the gradients get them
+    # back (no re-capture), graphs that own them do not need them.
+    g, e = graphed_and_eager(steps=8, val_batches=2, val_check_interval=4 * acc, accumulate_grad_batches=acc)
+    assert g.stats.captures == acc and g.stats.recaptures == 0 and g.stats.replays >= 4, g.stats.summary()
+    assert len(g.rec.val) == 2 and g.rec.val == e.rec.val
+    assert_same(g, e)
+
+
+def test_dropout_masks_differ_per_replay_and_equal_eager():
+    kw = dict(module_kw={"dropout": 0.1}, steps=10)
+    g, e = graphed_and_eager(**kw)
+    v, _ = graphed_and_eager(cb_kw={"verify_steps": 2}, **kw)
+    assert g.stats.replays == 6 and v.stats.verified_steps == 2
+    assert_same(g, e)  # each replay draws the masks the eager step draws
+    assert_same(v, e)  # verification puts the generator back before the graph's step
+    nodrop = eager(steps=10)
+    assert all(a != b for a, b in zip(g.rec.losses[4:], nodrop.rec.losses[4:])), "dropout had no effect"
+
+
+def test_verify_steps_pass_and_leave_training_as_eager():
+    g, e = graphed_and_eager(cb_kw={"verify_steps": 3}, steps=12)
+    assert g.stats.verified_steps == 3 and g.stats.replays == 8
+    assert_same(g, e)
+    assert g.progress == e.progress
+
+
+def test_python_values_logged_in_the_step_are_re_emitted_as_captured():
+    kw = dict(module_kw={"python_logs": True})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        g = fit(steps=8, **kw)
+    said = [str(x.message) for x in w if "logged a Python value" in str(x.message)]
+    assert len(said) == 2 and any("batch_idx_py" in s for s in said)
+    e = eager(steps=8, **kw)
+    assert_same(g, e)
+    assert g.metrics["const"] == e.metrics["const"] == 1.5
+    # a replay runs no Python: the capture's batch_idx (3) is what every replay logs, as the warning said
+    assert g.metrics["batch_idx_py"] == 3.0 and e.metrics["batch_idx_py"] == 7.0
+
+
+def test_progress_delta_is_measured_per_phase_graph():
+    seen = {}
+
+    class Deltas(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            for entry in cb.step_runner.engine.cache._entries.values():
+                seen[(entry.key[1].zero_grad, entry.key[1].optimizer_step)] = entry.meta["progress"].incs
+
+    cb = None
+
+    class Grab(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            nonlocal cb
+            cb = next(c for c in trainer.callbacks if isinstance(c, CudaGraphCallback))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(steps=6, accumulate_grad_batches=2, callbacks=[Grab(), Deltas()])
+    acc, step = seen[(True, False)], seen[(False, True)]
+    assert all(inc == 1 for _, _, inc in acc + step)
+    # batch 0 of a window zeroes gradients (zero_grad counters), the last one steps the optimizer
+    assert {type(o).__name__ for o, _, _ in acc} == {"_StartedTracker"}
+    assert {type(o).__name__ for o, _, _ in step} == {"_ReadyCompletedTracker"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# issue #12: nothing baked into a graph may go stale
+# ----------------------------------------------------------------------------------------------------------
+def test_gradient_accumulation_scheduler_changes_k_between_graphs():
+    kw = dict(steps=-1, n_batches=8, max_epochs=4)
+    g, e = graphed_and_eager(callbacks=[GradientAccumulationScheduler({0: 2, 2: 4})], **kw)
+    assert g.rec.steps[-1] == 12 and g.stats.replays > 10, g.stats.summary()
+    assert_same(g, e)
+
+
+def test_lr_assigned_inside_optimizer_step_is_refused_at_capture_naming_the_line():
+    line = next(i for i, s in enumerate(inspect.getsourcelines(TinyGPT)[0]) if "# LR-IN-STEP" in s)
+    line += inspect.getsourcelines(TinyGPT)[1]
+    with pytest.raises(CaptureError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(steps=8, module_kw={"lr_in_optimizer_step": True})
+    msg = str(info.value)
+    assert info.value.rule == "hyperparameter-in-step"
+    assert f"{__file__}:{line}" in msg and "`optimizer_step`" in msg and "param_groups[0]['lr']" in msg
+    assert "LambdaLR" in msg
+
+
+class SetLR(pl.Callback):
+    """Assign float learning rates at some batches (user code between steps, as a scheduler replacing the value)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx in self.at:
+            for pg in trainer.optimizers[0].param_groups:
+                pg["lr"] = self.at[batch_idx]
+
+
+def test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph():
+    # batch 2: the last warm-up step, 3: the capture step, 6: a replay
+    at = {2: LR * 2, 3: LR * 4, 6: LR / 2}
+    g = fit(steps=10, callbacks=[SetLR(at)])
+    e = fit(graphed=False, steps=10, callbacks=[SetLR(at)])
+    assert g.stats.captures == 1 and g.stats.replays == 6, g.stats.summary()
+    assert g.rec.lrs == e.rec.lrs and len(set(g.rec.lrs)) == 4
+    assert_same(g, e)
+
+
+class Realloc(pl.Callback):
+    """Re-allocate every parameter at batch 6 (three replays after the capture) in one of the ways users do."""
+
+    def __init__(self, how):
+        self.how, self.saved = how, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx != 6:
+            return
+        if self.how == "data":
+            for p in pl_module.parameters():
+                p.data = p.data.clone()
+        elif self.how == "module_to":
+            pl_module.to(torch.float64).to(torch.float32)  # exact round trip, new memory
+        elif self.how == "swap_tensors":
+            for p in pl_module.parameters():
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
+        elif self.how == "ema_swap":
+            # EMA-style weight swap: the step trains copies that are swapped back into the originals after it
+            self.saved = [p.data for p in pl_module.parameters()]
+            for p in pl_module.parameters():
+                p.data = p.data.clone()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.how == "ema_swap" and batch_idx == 6:
+            for p, s in zip(pl_module.parameters(), self.saved):
+                s.copy_(p.data)
+                p.data = s
+
+
+@pytest.mark.parametrize("how", ["data", "module_to", "swap_tensors", "ema_swap"])
+def test_parameters_reallocated_after_capture_are_detected(how):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        g = fit(steps=12, callbacks=[Realloc(how)])
+    e = eager(steps=12)
+    assert any("re-captured" in str(x.message) for x in w), g.stats.summary()
+    assert g.stats.recaptures >= 1 and g.stats.captures >= 2 and g.stats.replays >= 5, g.stats.summary()
+    assert_same(g, e)
+
+
+def test_gradient_first_created_by_a_longer_sequence_recaptures_the_earlier_graph():
+    lengths = (16,) * 7 + (32,) * 3 + (16,) * 6
+    kw = dict(module_kw={"extra_for_long": 16}, steps=16, lengths=lengths)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        g = fit(**kw)
+    e = eager(**kw)
+    assert g.stats.captures >= 3 and g.stats.replays >= 6, g.stats.summary()
+    assert any("re-captured" in str(x.message) for x in w)
+    assert_same(g, e)
+
+
+def test_parity_error_fires_when_the_graph_differs_from_eager_on_purpose():
+    with pytest.raises(ParityError, match="loss: graph"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(steps=8, module_kw={"baked_counter": True}, cb_kw={"verify_steps": 2})
+
+
+class BNRegressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.net(x) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR, fused=True)
+
+
+def _bn_fit(verify):
+    pl.seed_everything(0, verbose=False)
+    m = BNRegressor()
+    cb = CudaGraphCallback(verify_steps=verify)
+    cb.step_runner.backend = TapeBackend()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, generator=g), torch.randn(1, generator=g)) for _ in range(40)]
+    t = pl.Trainer(accelerator="cpu", max_steps=10, max_epochs=2, callbacks=[cb], logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(m, DataLoader(data, batch_size=4))
+    return m, cb
+
+
+def test_verify_steps_leave_batchnorm_statistics_as_an_unverified_run():
+    plain, _ = _bn_fit(0)
+    checked, cb = _bn_fit(3)
+    assert cb.stats.verified_steps == 3
+    for (n, a), b in zip(plain.state_dict().items(), checked.state_dict().values()):
+        assert torch.equal(a, b), f"{n} differs after verify_steps"
+
+
+def test_callback_with_ddp_strategy_is_refused_naming_the_strategy_to_use():
+    t = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(), logger=False, max_steps=1)
+    m = TinyGPT()
+    why = checks.setup_refusal(CaptureConfig(), t, m, "CudaGraphCallback")
+    assert why is not None and why.label == "callback with DDP" and "CudaGraphStrategy('ddp')" in why.message
+    cb = CudaGraphCallback()
+    with pytest.raises(CaptureError, match=r"CudaGraphStrategy\('ddp'\)"):
+        cb.setup(t, m, "fit")
+    # the strategy itself takes DDP
+    assert checks.setup_refusal(CaptureConfig(), t, m, "CudaGraphStrategy") is None
+
+
+def test_nan_guard_set_up_when_first_gradients_appear_on_the_sync_checked_warmup_step():
+    # TinyGPT.late first gets a gradient at batch 2, the last (sync-checked) warm-up step: the NaN guard builds
+    # its accumulator for the new set of gradients there, which must not be a host sync.
+    g, e = graphed_and_eager(module_kw={"late_param": True}, steps=10)
+    assert g.stats.captures == 1 and g.stats.replays == 6, g.stats.summary()
+    assert_same(g, e)
+
+
+def test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay():
+    name = "model.blocks.0.mlp.fc.weight"
+    with pytest.raises(NonFiniteError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_check_every": 4})
+    assert info.value.parameter == name, str(info.value)
+    assert "global step 4 up to 8" in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# refusals and options (no graph needed)
+# ----------------------------------------------------------------------------------------------------------
 def test_callback_without_cuda_warns_once_and_trains_identically():
-    _, plain = _fit(_module())
     cb = CudaGraphCallback()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        _, rec = _fit(_module(), [cb])
+        pl.seed_everything(0, verbose=False)
+        m = TinyGPT()
+        rec = Rec()
+        t = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb, rec], logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False)
+        t.fit(m, DataLoader(Windows(6), batch_size=2))
     ours = [str(x.message) for x in w if "nemo_cudagraph_plugin" in str(x.message)]
-    assert len(ours) == 1 and "no CUDA device" in ours[0] or "not on a CUDA device" in ours[0]
-    assert rec.losses == plain.losses and rec.steps == plain.steps
-    assert cb.stats.replays == 0 and cb.eager_reason
+    assert len(ours) == 1 and ("no CUDA device" in ours[0] or "not on a CUDA device" in ours[0])
+    plain = eager(steps=6)
+    assert rec.losses == plain.rec.losses and rec.steps == plain.rec.steps
+    assert cb.stats.replays == 0 and cb.eager_reason and cb.stats.eager_reasons
 
 
 def test_strategy_without_cuda_trains_identically():
-    _, plain = _fit(_module())
     s = CudaGraphStrategy(SingleDeviceStrategy(device="cpu"))
     with pytest.warns(UserWarning, match="training eagerly"):
-        _, rec = _fit(_module(), strategy=s)
-    assert rec.losses == plain.losses and s.stats.replays == 0
+        pl.seed_everything(0, verbose=False)
+        m = TinyGPT()
+        rec = Rec()
+        t = pl.Trainer(accelerator="cpu", strategy=s, max_steps=6, callbacks=[rec], logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        t.fit(m, DataLoader(Windows(6), batch_size=2))
+    assert rec.losses == eager(steps=6).rec.losses and s.stats.replays == 0
 
 
 def test_callback_and_strategy_together_is_one_clear_error():
     with pytest.raises(ValueError, match="Both CudaGraphCallback and CudaGraphStrategy"):
-        _fit(_module(), [CudaGraphCallback()], strategy=CudaGraphStrategy(SingleDeviceStrategy(device="cpu")))
+        t = pl.Trainer(accelerator="cpu", strategy=CudaGraphStrategy(SingleDeviceStrategy(device="cpu")),
+                       callbacks=[CudaGraphCallback()], max_steps=1, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False)
+        t.fit(TinyGPT(), DataLoader(Windows(1), batch_size=2))
 
 
 def test_options_reach_the_engine_config():
     cb = CudaGraphCallback(warmup_steps=5, max_graphs=3, on_capture_error="eager", nan_guard="loss", verify_steps=2)
-    assert (cb.config.warmup_steps, cb.config.max_graphs, cb.config.on_capture_error, cb.config.nan_mode, cb.config.verify_steps) == (
-        5, 3, "eager", "loss", 2)
+    assert (cb.config.warmup_steps, cb.config.max_graphs, cb.config.on_capture_error, cb.config.nan_mode,
+            cb.config.verify_steps) == (5, 3, "eager", "loss", 2)
     s = CudaGraphStrategy(warmup_steps=4, nan_action="skip")
     assert s.capture_config.warmup_steps == 4 and s.capture_config.nan_action == "skip"
-    with pytest.raises(ValueError, match="warmup_steps"):
+    with pytest.raises(ValueError, match=r"CudaGraphCallback\(warmup_steps=0\)"):
         CudaGraphCallback(warmup_steps=0)
 
 
@@ -97,93 +569,26 @@ def test_strategy_wraps_ddp_and_refuses_what_it_cannot_capture():
         CudaGraphStrategy(CudaGraphStrategy())
 
 
-def _trainer_for_refusal(**kw):
-    m = _module()
-    t = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
-    t.strategy.connect(m)
-    m.trainer = t
-    t.strategy._lightning_optimizers = []
-    t.strategy.optimizers = [torch.optim.AdamW(m.parameters())]
-    return t, m
-
-
-@pytest.mark.parametrize(
-    "kw,attr,match",
-    [
-        ({}, "fp16", "GradScaler"),
-        ({}, "manual", "manual optimization"),
-    ],
-)
-def test_refusal_reasons_name_the_fix(kw, attr, match):
-    t, m = _trainer_for_refusal(**kw)
-    if attr == "fp16":  # Lightning turns 16-mixed into bf16 on CPU; set what a GPU trainer would report
+@pytest.mark.parametrize("what,label,match", [("fp16", "fp16 precision", "GradScaler"),
+                                              ("manual", "manual optimization", "manual optimization")])
+def test_refusal_reasons_name_the_fix(what, label, match):
+    t = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    m = TinyGPT()
+    if what == "fp16":  # Lightning turns 16-mixed into bf16 on CPU; set what a GPU trainer would report
         t.strategy.precision_plugin.precision = "16-mixed"
-    if attr == "manual":
+    else:
         m.automatic_optimization = False
-    r = LightningStepRunner(CaptureConfig(), CaptureStats())
-    why = r.refusal(t, m, require_cuda=False)
-    assert why is not None and match in why
+    why = checks.setup_refusal(CaptureConfig(), t, m, "CudaGraphCallback")
+    assert why is not None and why.label == label and match in why.message and not why.soft
 
 
-class _EagerEngine:
-    """Stands in for the CUDA engine on CPU: every step eager (the Python bookkeeping is what's tested)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def step(self, batch, phase, fn, quiet_fn=None):
-        self.calls += 1
-        return fn(batch)
-
-
-class _BindEager(pl.Callback):
-    def __init__(self):
-        self.runner = LightningStepRunner(CaptureConfig(nan_guard=False), CaptureStats())
-        self.deltas = []
-
-    def on_train_start(self, trainer, pl_module):
-        r = self.runner
-        r.trainer, r.pl_module = trainer, pl_module
-        r._loop = _compat.automatic_loop(trainer)
-        r.engine = _EagerEngine()
-        r._orig_run = r._loop.run
-        r._loop.run = self._run
-
-    def _run(self, optimizer, batch_idx, kwargs: OrderedDict):
-        out = self.runner.run(optimizer, batch_idx, kwargs)
-        self.deltas.append(self.runner._last_delta.incs)
-        return out
-
-
-def test_recorded_logs_are_re_emitted_with_the_same_values_and_counters_advance():
-    _, plain = _fit(_module(), accumulate_grad_batches=2)
-    b = _BindEager()
-    _, rec = _fit(_module(), [b], accumulate_grad_batches=2)
-    assert b.runner.engine.calls == 24
-    assert rec.losses == plain.losses
-    assert rec.logged == plain.logged, "self.log values must be re-emitted per step"
-    assert rec.steps == plain.steps
-
-
-def test_progress_delta_matches_what_lightning_increments_per_phase():
-    b = _BindEager()
-    _fit(_module(), [b], steps=6, accumulate_grad_batches=2)
-    acc, step = b.deltas[0], b.deltas[1]
-    names = lambda d: sorted({(type(o).__name__, n) for o, n, _ in d})  # noqa: E731
-    assert acc != step
-    assert all(inc == 1 for _, _, inc in acc + step)
-    # batch 0 zeroes gradients (zero_grad counters), batch 1 steps the optimizer (step counters)
-    assert {type(o).__name__ for o, _, _ in acc} == {"_StartedTracker"}
-    assert {type(o).__name__ for o, _, _ in step} == {"_ReadyCompletedTracker"}
-    assert names(b.deltas[2]) == names(acc) and names(b.deltas[3]) == names(step)
-
-
-def test_phase_matches_lightning_decision():
+def test_step_key_matches_lightnings_own_decision():
     seen = []
 
     class Spy(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            seen.append(_compat.step_phase(trainer, _compat.automatic_loop(trainer), batch_idx))
+            k = _compat.step_key(trainer, _compat.automatic_loop(trainer), batch_idx)
+            seen.append((k.zero_grad, k.optimizer_step, k.accumulate_grad_batches))
 
-    _fit(_module(), [Spy()], steps=4, accumulate_grad_batches=3)
-    assert seen[:6] == [(True, False), (False, False), (False, True)] * 2
+    fit(graphed=False, steps=2, accumulate_grad_batches=3, callbacks=[Spy()])
+    assert seen == [(True, False, 3), (False, False, 3), (False, True, 3)] * 2

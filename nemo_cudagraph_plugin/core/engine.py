@@ -558,10 +558,13 @@ class CaptureEngine:
 class _WriteRecorder(TorchDispatchMode):
     """Snapshots every tensor that existed before the block, right before its first in-place write.
 
-    Writes are found from the operator schemas (``Tensor(a!)`` arguments, lists included), so
-    BatchNorm statistics, fused optimizer updates and ``out=`` variants are covered. Tensors
-    created inside the block are skipped. Kernels that bypass torch's dispatcher (custom C++
-    extensions) are invisible here: the engine snapshots those through ``mutable_fn``.
+    Writes are found from the operator schemas (``Tensor(a!)`` arguments, lists included: fused
+    optimizer updates, ``add_``, ``out=`` variants), plus the ``running_mean``/``running_var``
+    arguments of the batch-norm kernels, whose schemas (``native_batch_norm``, ``cudnn_batch_norm``,
+    ``miopen_batch_norm``, ``batch_norm_update_stats``) do not mark them as written although the
+    kernels update them. Tensors created inside the block are skipped. Kernels that bypass torch's
+    dispatcher (custom C++ extensions) are invisible here: the engine snapshots those through
+    ``mutable_fn`` (the Lightning adapter passes the module's buffers and TE's FP8 scaling state).
     """
 
     def __init__(self) -> None:
@@ -573,7 +576,8 @@ class _WriteRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if not written and arg.name not in _UNMARKED_WRITES:
                 continue
             val = kwargs[arg.name] if arg.name in kwargs else (args[i] if i < len(args) else None)
             for t in val if isinstance(val, (list, tuple)) else (val,):
@@ -606,6 +610,10 @@ class _WriteRecorder(TorchDispatchMode):
             for t, v in reversed(self._snaps):
                 t.copy_(v)
         self._snaps.clear()
+
+
+# Arguments that kernels write although their schemas do not say so (the batch-norm family's running statistics).
+_UNMARKED_WRITES = frozenset({"running_mean", "running_var"})
 
 
 def _difference(entry: GraphEntry, now: dict[str, int]) -> Optional[str]:

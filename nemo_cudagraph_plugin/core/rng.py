@@ -23,7 +23,9 @@ def supports_extra_generators() -> bool:
 class GeneratorRegistry:
     """Extra CUDA generators to register with every captured graph."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cuda") -> None:
+        # The device whose graphs these generators serve ("cpu" only for a stand-in graph in tests).
+        self.device_type = device_type
         self._gens: list[torch.Generator] = []
 
     def register(self, generator: torch.Generator) -> None:
@@ -33,9 +35,11 @@ class GeneratorRegistry:
             TypeError: not a CUDA ``torch.Generator``.
             RuntimeError: this torch cannot make extra generators graph-safe (upgrade to >= 2.5).
         """
-        if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
-            raise TypeError(f"register_generator expects a CUDA torch.Generator, got {generator!r}")
-        if not supports_extra_generators():
+        if not isinstance(generator, torch.Generator) or generator.device.type != self.device_type:
+            raise TypeError(
+                f"register_generator expects a {self.device_type.upper()} torch.Generator, got {generator!r}"
+            )
+        if self.device_type == "cuda" and not supports_extra_generators():
             raise RuntimeError(
                 f"torch {torch.__version__} cannot register extra generators with a CUDA graph "
                 "(CUDAGraph.register_generator_state appeared in torch 2.5). Replays would reuse the same random "

@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""Planted breaks ("mutants") of the product code, each of which named tests must catch.
+
+Every mutant is one deliberate break: a file, an exact snippet of today's code, its replacement and the
+pytest node ids that must fail with it. For each selected mutant this script copies the package, tests,
+recipes and pyproject into a temporary directory, applies the break there (a snippet that is not found
+exactly once is an error: the list must follow the code), and runs the listed tests in the copy with this
+interpreter (``PYTHONPATH`` = the copy, checked: the copy's package is the one imported). A mutant is
+*caught* when at least one listed test fails (pytest exit 1); it is *missed* when they all pass. Before any
+mutant, the union of the listed tests runs on an unbroken copy and must pass without skips: only a test
+that passes without the break can be said to catch it.
+
+    python ci/mutants.py --tier cpu          # CI (ci/stages.sh mutants); CPU-only tests
+    python ci/mutants.py --tier gpu          # on the GPU host (tests/gpu; TransformerEngine for the FP8 one)
+    python ci/mutants.py --list              # the mutants, their files and tests
+    python ci/mutants.py --only NAME[,NAME]  # some of them
+    python ci/mutants.py --tier gpu --out docs/gpu-evidence/DATE-mutants-gpu.md   # the table as a record
+
+Exit status: 0 when every selected mutant is caught; 1 when one is missed, a snippet is stale, the
+baseline fails, or a run errors (collection error, timeout). The last line is the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY = ("nemo_cudagraph_plugin", "tests", "recipes", "benchmarks", "pyproject.toml")
+PKG = "nemo_cudagraph_plugin"
+
+E = "nemo_cudagraph_plugin/core/engine.py"
+RUNNER = "nemo_cudagraph_plugin/lightning/runner.py"
+COMPAT = "nemo_cudagraph_plugin/lightning/_compat.py"
+LT = "tests/test_lightning_cpu.py::"
+ET_ = "tests/test_engine_tape.py::"
+GPU = "tests/gpu/test_can_fail_gpu.py::"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    tier: str  # "cpu" | "gpu"
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    what: str
+
+
+MUTANTS: list[Mutant] = [
+    # -- issue #13's list ---------------------------------------------------------------------------------
+    Mutant("progress-delta-apply-noop", "cpu", COMPAT,
+           "        for o, n, d in self.incs:\n            setattr(o, n, getattr(o, n) + d)",
+           "        for o, n, d in self.incs:\n            pass",
+           (LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]",),
+           "ProgressDelta.apply does nothing: global_step stands still on replays"),
+    Mutant("outputs-not-cloned", "cpu", E,
+           "        if n is None:\n            return unflatten(self.out_spec, [t.clone() for t in leaves])\n"
+           "        return unflatten(self.out_spec, [t.clone() for t in leaves[:n]] + leaves[n:])",
+           "        return unflatten(self.out_spec, list(leaves))",
+           (ET_ + "test_returned_outputs_are_copies_that_later_replays_do_not_overwrite",
+            LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]"),
+           "GraphEntry.outputs returns the static output buffers: a kept loss changes on the next replay"),
+    Mutant("hyperparam-guard-returns-none", "cpu", RUNNER,
+           "    def _hyperparam_guard(self) -> Optional[str]:\n",
+           "    def _hyperparam_guard(self) -> Optional[str]:\n        return None\n",
+           (LT + "test_lr_scheduler_changes_the_lr_every_replayed_step_reads",
+            LT + "test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph"),
+           "the runner's guard never syncs the learning rate into the device tensor"),
+    Mutant("close-always-true", "cpu", E,
+           "def _close(a: float, b: float, rtol: float) -> bool:\n",
+           "def _close(a: float, b: float, rtol: float) -> bool:\n    return True\n",
+           (ET_ + "test_verify_steps_raise_parity_error_when_the_graph_differs_from_eager[loss]",
+            LT + "test_parity_error_fires_when_the_graph_differs_from_eager_on_purpose"),
+           "verify_steps' scalar comparison always agrees"),
+    Mutant("on-capture-emptied", "cpu", RUNNER,
+           "    def _on_capture(self, entry: GraphEntry) -> None:\n",
+           "    def _on_capture(self, entry: GraphEntry) -> None:\n        return\n",
+           (LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]",
+            LT + "test_python_values_logged_in_the_step_are_re_emitted_as_captured"),
+           "the runner keeps nothing at capture (progress delta, log records)"),
+    Mutant("batch-copy-skipped", "cpu", "nemo_cudagraph_plugin/core/buffers.py",
+           "        if leaves:\n            copy_all(self.leaves, leaves)",
+           "        pass",
+           (ET_ + "test_graphed_steps_equal_eager_bitwise[False]",
+            LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]"),
+           "StaticInputs.copy_from skips the copy: every replay trains on the capture's batch"),
+    Mutant("generator-registration-skipped", "cpu", "nemo_cudagraph_plugin/core/rng.py",
+           "            graph.register_generator_state(gen)",
+           "            pass",
+           (ET_ + "test_registered_generator_advances_each_replay_like_eager",),
+           "GeneratorRegistry.apply registers nothing: extra generators repeat their numbers"),
+    Mutant("fp8-refresh-hook-skipped", "cpu", "nemo_cudagraph_plugin/fp8/refresh.py",
+           "        self.last_refreshed = self.plan.refresh()",
+           "        self.last_refreshed = 0",
+           ("tests/test_fp8_refresh.py::test_install_refreshes_after_each_step_in_order",
+            "tests/test_fp8_refresh.py::test_install_without_writer_reset_still_fixes_stale_bytes"),
+           "install_fp8_refresh's optimizer post-hook refreshes nothing (TE doubles)"),
+    Mutant("param-address-scan-skipped", "cpu", E,
+           "(self._flag.dirty or list(map(_data_ptr, self._scan)) != self._scan_ptrs)",
+           "self._flag.dirty",
+           (LT + "test_parameters_reallocated_after_capture_are_detected",
+            ET_ + "test_reallocated_state_after_capture_is_detected_and_recaptured[swap_tensors]"),
+           "no per-replay parameter address scan: p.data = ..., swap_tensors, weight swaps go unseen"),
+    Mutant("revalidate-skipped", "cpu", E,
+           "        self._flag.dirty = False\n        if not len(self.cache):\n            return\n",
+           "        self._flag.dirty = False\n        return\n",
+           (ET_ + "test_reallocated_state_after_capture_is_detected_and_recaptured[optimizer_state]",
+            LT + "test_parameters_reallocated_after_capture_are_detected[data]"),
+           "revalidate compares no addresses: stale graphs replay"),
+    Mutant("lr-tensor-frozen", "cpu", "nemo_cudagraph_plugin/core/optim.py",
+           "                    obj.fill_(cur if isinstance(cur, Tensor) else float(cur))",
+           "                    pass",
+           (LT + "test_lr_scheduler_changes_the_lr_every_replayed_step_reads",
+            LT + "test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph"),
+           "OptimizerPrep.sync_hyperparams leaves the learning-rate tensor as it was"),
+    Mutant("log-reemission-dropped", "cpu", "nemo_cudagraph_plugin/lightning/logs.py",
+           "                    value = next(it)\n",
+           "                    continue\n",
+           (LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]",),
+           "StepLogs.emit drops the self.log calls of tensor values"),
+    Mutant("progress-delta-not-applied", "cpu", RUNNER,
+           "        if delta is not None:\n            delta.apply()",
+           "        pass",
+           (LT + "test_graphed_fit_equals_eager_lightning_bitwise[2-8]",),
+           "the runner does not re-apply the counter increments after a replay"),
+    Mutant("nan-guard-grad-check-skipped", "cpu", "nemo_cudagraph_plugin/core/nan_guard.py",
+           "        if self.mode != \"full\" and found_inf is None:\n            return\n",
+           "        return\n",
+           (LT + "test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay",
+            ET_ + "test_nan_guard_sees_a_bad_gradient_on_a_replayed_step"),
+           "NanGuard.observe_grads checks no gradient"),
+    Mutant("classifier-reads-comments", "cpu", "nemo_cudagraph_plugin/core/errors.py",
+           "    code = _code_only(frame.line or \"\").lower()",
+           "    code = (frame.line or \"\").lower()",
+           (ET_ + "test_capture_errors_name_the_users_line_and_rule[True-_commented-host-sync]",),
+           "the capture-error classifier matches text in comments"),
+    Mutant("lr-left-a-float", "cpu", "nemo_cudagraph_plugin/core/optim.py",
+           "            if lr_t:\n",
+           "            if False:\n",
+           (LT + "test_lr_scheduler_changes_the_lr_every_replayed_step_reads",),
+           "OptimizerPrep leaves the learning rate a Python float: the graph bakes the capture's value"),
+    Mutant("signature-without-shapes", "cpu", "nemo_cudagraph_plugin/core/buffers.py",
+           "    return (spec, tuple((t.shape, t.dtype, t.device, t.stride()) for t in leaves))",
+           "    return (spec, tuple((t.dtype, t.device) for t in leaves))",
+           (LT + "test_variable_shapes_and_graph_cache_limit[evict]",),
+           "the input signature ignores shapes: a graph replays batches of another length"),
+    Mutant("grads-not-reattached-after-validation", "cpu", RUNNER,
+           "        for p, g in self._grads:\n            if p.grad is None:\n                p.grad = g\n",
+           "",
+           (LT + "test_validation_in_between_keeps_graphs_and_results[2]",),
+           "gradients Lightning drops around validation are not given back (every graph is re-captured)"),
+    Mutant("verify-rng-not-restored", "cpu", E,
+           "        be.set_rng_state(rng, self.device)\n",
+           "",
+           (LT + "test_dropout_masks_differ_per_replay_and_equal_eager",),
+           "verify_steps lets the eager half advance the default generator: the graph draws other masks"),
+    # -- issue #12's fixes ---------------------------------------------------------------------------------
+    Mutant("step-key-without-k", "cpu", COMPAT,
+           "    return StepKey(zero, step, k, ",
+           "    return StepKey(zero, step, 0, ",
+           (LT + "test_gradient_accumulation_scheduler_changes_k_between_graphs",),
+           "accumulate_grad_batches is not part of the graph key"),
+    Mutant("guards-only-on-cache-hit", "cpu", E,
+           "        for guard in self.guards:\n            reason = guard()\n            if reason is not None:\n"
+           "                self.invalidate(reason)\n                break\n        entry = self.cache.get(full_key)\n",
+           "        entry = self.cache.get(full_key)\n        for guard in (self.guards if entry is not None else ()):\n"
+           "            reason = guard()\n            if reason is not None:\n                self.invalidate(reason)\n"
+           "                entry = None\n                break\n",
+           (LT + "test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph",
+            ET_ + "test_guards_run_before_the_capture_not_only_before_replays"),
+           "guards (learning-rate sync) run only before replays, not before the capture"),
+    Mutant("param-group-watch-skipped", "cpu", RUNNER,
+           "    if not watch.changes:\n        return\n",
+           "    return\n",
+           (LT + "test_lr_assigned_inside_optimizer_step_is_refused_at_capture_naming_the_line",),
+           "an optimizer_step override assigning pg['lr'] inside the captured step is not refused"),
+    Mutant("verify-restore-skipped", "cpu", E,
+           "        rec.restore()\n",
+           "",
+           (ET_ + "test_verify_steps_leave_parameters_and_optimizer_state_as_an_unverified_run",
+            LT + "test_verify_steps_pass_and_leave_training_as_eager"),
+           "verify_steps does not undo the eager half's writes (the step runs twice)"),
+    # (No mutant drops the runner's buffer snapshot for verify_steps: since the write recorder also snapshots the
+    # batch-norm running statistics by argument name, that snapshot only matters for kernels outside torch's
+    # dispatcher — a TE or custom CUDA extension — which no CPU test can run; the break would be equivalent here.)
+    Mutant("verify-unmarked-writes-skipped", "cpu", E,
+           "            if not written and arg.name not in _UNMARKED_WRITES:\n",
+           "            if not written:\n",
+           (ET_ + "test_verify_steps_leave_batchnorm_statistics_as_an_unverified_run[False]",),
+           "the write recorder misses BatchNorm running statistics (their schemas do not mark them written)"),
+    Mutant("after-eager-not-dirty", "cpu", E,
+           "        if len(self.cache):\n            self._flag.dirty = True\n",
+           "        pass\n",
+           (LT + "test_gradient_first_created_by_a_longer_sequence_recaptures_the_earlier_graph",
+            ET_ + "test_gradient_created_by_a_later_signature_invalidates_the_earlier_graph"),
+           "state created by an eager step (a first gradient) does not re-check earlier graphs"),
+    Mutant("nan-plan-host-built", "cpu", "nemo_cudagraph_plugin/core/nan_guard.py",
+           "            self.index = host.to(device, non_blocking=True)",
+           "            self.index = torch.tensor(order, dtype=torch.long, device=device)",
+           (LT + "test_nan_guard_set_up_when_first_gradients_appear_on_the_sync_checked_warmup_step",
+            ET_ + "test_nan_guard_plan_built_inside_the_sync_checked_step_does_not_sync"),
+           "the NaN guard builds its index tensor with a blocking host-to-device copy"),
+    Mutant("callback-with-ddp-allowed", "cpu", "nemo_cudagraph_plugin/lightning/checks.py",
+           "    if owner == \"CudaGraphCallback\" and \"DDPStrategy\" in names:",
+           "    if False:",
+           (LT + "test_callback_with_ddp_strategy_is_refused_naming_the_strategy_to_use",),
+           "CudaGraphCallback accepts a DDPStrategy"),
+    # -- GPU only: the CUDA backend and real TransformerEngine ---------------------------------------------
+    Mutant("cuda-sync-check-off", "gpu", "nemo_cudagraph_plugin/core/backend.py",
+           "        torch.cuda.set_sync_debug_mode(\"error\")\n",
+           "",
+           (GPU + "test_sync_check_of_the_last_warmup_step_runs_on_cuda",),
+           "CudaBackend.sync_errors does not turn host syncs into errors"),
+    Mutant("generator-registration-skipped-cuda", "gpu", "nemo_cudagraph_plugin/core/rng.py",
+           "            graph.register_generator_state(gen)",
+           "            pass",
+           (GPU + "test_registered_cuda_generator_draws_new_masks_per_replay_equal_to_eager[extra]",),
+           "GeneratorRegistry.apply registers nothing with torch.cuda.CUDAGraph"),
+    Mutant("close-always-true-cuda", "gpu", E,
+           "def _close(a: float, b: float, rtol: float) -> bool:\n",
+           "def _close(a: float, b: float, rtol: float) -> bool:\n    return True\n",
+           (GPU + "test_parity_error_fires_for_a_step_that_differs_from_eager",),
+           "verify_steps' scalar comparison always agrees (on CUDA)"),
+    Mutant("lr-tensor-frozen-cuda", "gpu", "nemo_cudagraph_plugin/core/optim.py",
+           "                    obj.fill_(cur if isinstance(cur, Tensor) else float(cur))",
+           "                    pass",
+           (GPU + "test_lr_schedule_reaches_the_replayed_optimizer_and_matches_torch_adamw[float_callback]",),
+           "the learning-rate tensor a CUDA graph reads is never updated"),
+    Mutant("fp8-refresh-hook-skipped-te", "gpu", "nemo_cudagraph_plugin/fp8/refresh.py",
+           "        self.last_refreshed = self.plan.refresh()",
+           "        self.last_refreshed = 0",
+           (GPU + "test_fp8_refresh_keeps_real_te_transposes_current_under_graphs",),
+           "the FP8 refresh post-hook refreshes nothing (real TE Float8Tensor weights)"),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+def _copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "results")
+    for name in COPY:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, dst / name)
+
+
+def _apply(root: Path, m: Mutant) -> None:
+    path = root / m.file
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise StaleSnippet(f"{m.name}: the snippet occurs {n} times in {m.file} (must be exactly once); update MUTANTS")
+    path.write_text(text.replace(m.old, m.new))
+
+
+class StaleSnippet(Exception):
+    pass
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")  # parallel runs on few cores: no oversubscription
+    return env
+
+
+def _check_import(root: Path) -> None:
+    """The copy's package must be the one imported (not the editable install of the checkout)."""
+    out = subprocess.run([sys.executable, "-c", f"import {PKG}, os; print(os.path.realpath({PKG}.__file__))"],
+                         cwd=root, env=_env(root), capture_output=True, text=True, timeout=300)
+    got = out.stdout.strip()
+    if out.returncode != 0 or not got.startswith(str(root.resolve())):
+        raise RuntimeError(f"the copy's package is not the one imported (got {got!r}): {out.stderr[-2000:]}")
+
+
+@dataclass
+class Outcome:
+    rc: int
+    failed: list[str]
+    passed: list[str]
+    skipped: list[str]
+    seconds: float
+    tail: str
+
+
+_CHILDREN: set[subprocess.Popen] = set()
+
+
+def _kill_children(signum: int, frame: object) -> None:
+    """Stop the pytest runs this script started (each in its own process group), then exit."""
+    for proc in list(_CHILDREN):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    os._exit(128 + signum)
+
+
+def _pytest(root: Path, tests: list[str], timeout: float) -> Outcome:
+    xml = root / f"junit-{os.getpid()}-{time.monotonic_ns()}.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", f"--junitxml={xml}", *tests]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=root, env=_env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    _CHILDREN.add(proc)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        rc, tail = proc.returncode, text[-3000:]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        rc, tail = -1, f"timeout after {timeout:.0f} s\n" + (text or "")[-2000:]
+    finally:
+        _CHILDREN.discard(proc)
+    failed, passed, skipped = [], [], []
+    if xml.exists():
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            node = _node_id(case)
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(node)
+            elif case.find("skipped") is not None:
+                skipped.append(node)
+            else:
+                passed.append(node)
+    return Outcome(rc, failed, passed, skipped, time.perf_counter() - t0, tail)
+
+
+def _matches(listed: str, node: str) -> bool:
+    """``node`` is ``listed`` or one of its parametrizations (a listed id without ``[...]`` runs them all)."""
+    return node == listed or ("[" not in listed and node.startswith(listed + "["))
+
+
+def _all_passed(listed: str, out: Outcome) -> bool:
+    ran = [n for n in out.passed + out.failed + out.skipped if _matches(listed, n)]
+    return bool(ran) and all(n in out.passed for n in ran)
+
+
+def _node_id(case: ET.Element) -> str:
+    cls, name = case.get("classname", ""), case.get("name", "")
+    parts = cls.split(".")
+    # tests.test_x -> tests/test_x.py; tests.gpu.test_y -> tests/gpu/test_y.py
+    return "/".join(parts) + ".py::" + name if parts else name
+
+
+def _short(node: str) -> str:
+    return node.split("/")[-1].replace(".py::", "::")
+
+
+def _run_mutant(m: Mutant, base: Path, timeout: float) -> tuple[Mutant, str, Outcome]:
+    work = Path(tempfile.mkdtemp(prefix=f"mutant-{m.name}-"))
+    try:
+        root = work / "repo"
+        shutil.copytree(base, root, symlinks=True)
+        _apply(root, m)
+        out = _pytest(root, list(m.tests), timeout)
+        if out.rc == 1 and out.failed:
+            verdict = "caught"
+        elif out.rc == 0:
+            verdict = "MISSED"
+        else:
+            verdict = "ERROR" if out.rc != -1 else "TIMEOUT"
+        return m, verdict, out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tier", choices=("cpu", "gpu", "all"), default="cpu")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--only", action="append", default=[], help="NAME[,NAME...] (repeatable)")
+    ap.add_argument("--jobs", type=int, default=0, help="parallel mutants (default: CPU cores, 1 for gpu)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run (the baseline: 3x)")
+    ap.add_argument("--out", help="also write the result table (markdown) to this file")
+    args = ap.parse_args(argv)
+
+    only = {n for part in args.only for n in part.split(",") if n}
+    unknown = only - {m.name for m in MUTANTS}
+    if unknown:
+        print(f"unknown mutant(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    chosen = [m for m in MUTANTS if (m.name in only if only else args.tier in ("all", m.tier))]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:38} {m.tier:3}  {m.file}\n    {m.what}\n" + "".join(f"    - {t}\n" for t in m.tests))
+        return 0
+    if not chosen:
+        print("mutants: no mutant selected")
+        return 1
+
+    t_start = time.perf_counter()
+    signal.signal(signal.SIGTERM, _kill_children)
+    signal.signal(signal.SIGINT, _kill_children)
+    # Stale snippets first: no test time is spent when the list no longer matches the code.
+    stale = []
+    for m in chosen:
+        n = (ROOT / m.file).read_text().count(m.old)
+        if n != 1:
+            stale.append(f"{m.name}: snippet found {n} times in {m.file}")
+    if stale:
+        print("\n".join(stale))
+        print(f"mutants: FAILED: {len(stale)} stale snippet(s); update ci/mutants.py to the code")
+        return 1
+
+    if any(m.tier == "gpu" for m in chosen):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("mutants: FAILED: the gpu tier needs a CUDA device (its tests are in tests/gpu)")
+            return 1
+
+    tmp = Path(tempfile.mkdtemp(prefix="mutants-base-"))
+    try:
+        base = tmp / "repo"
+        base.mkdir()
+        _copy_tree(base)
+        _check_import(base)
+        tests = sorted({t for m in chosen for t in m.tests})
+        print(f"baseline: {len(tests)} tests on the unbroken copy ({base}) ...", flush=True)
+        out = _pytest(base, tests, 3 * args.timeout)
+        not_passed = [t for t in tests if not _all_passed(t, out)]
+        if out.rc != 0 or not_passed:
+            print(out.tail)
+            why = f"failed: {', '.join(_short(t) for t in out.failed)}" if out.failed else ""
+            why += f" skipped: {', '.join(_short(t) for t in out.skipped)}" if out.skipped else ""
+            missing = [t for t in not_passed if not any(_matches(t, n) for n in out.failed + out.skipped)]
+            why += f" not run: {', '.join(_short(t) for t in missing)}" if missing else ""
+            print(f"mutants: FAILED: the listed tests do not all pass on the unbroken code ({why.strip()})")
+            return 1
+        print(f"baseline: {len(tests)} passed in {out.seconds:.0f} s", flush=True)
+
+        # GPU: tiny models, a few processes share the one GPU (the tests compare runs within one process).
+        jobs = args.jobs or (3 if args.tier == "gpu" else max(1, min(4, os.cpu_count() or 1)))
+        results: list[tuple[Mutant, str, Outcome]] = []
+        with cf.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futs = [pool.submit(_run_mutant, m, base, args.timeout) for m in chosen]
+            for f in cf.as_completed(futs):
+                m, verdict, o = f.result()
+                print(f"  {verdict:7} {m.name} ({o.seconds:.0f} s)", flush=True)
+                if verdict in ("ERROR", "TIMEOUT"):
+                    print("    " + o.tail.replace("\n", "\n    ")[-1500:])
+                results.append((m, verdict, o))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    order = {m.name: i for i, m in enumerate(chosen)}
+    results.sort(key=lambda r: order[r[0].name])
+    lines = ["| mutant | tier | file | result | caught by (failing tests) | s |", "|---|---|---|---|---|---|"]
+    for m, verdict, o in results:
+        by = ", ".join(_short(t) for t in o.failed) or "-"
+        lines.append(f"| {m.name} | {m.tier} | {m.file.replace(PKG + '/', '')} | {verdict} | {by} | {o.seconds:.0f} |")
+    table = "\n".join(lines)
+    print()
+    print(table)
+    bad = [m.name for m, v, _ in results if v != "caught"]
+    total = time.perf_counter() - t_start
+    if args.out:
+        import platform
+
+        head = (f"# ci/mutants.py --tier {args.tier}\n\nPython {platform.python_version()}, "
+                f"{'torch ' + _torch_version()}; {len(results)} mutants in {total:.0f} s.\n\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(head + table + "\n")
+    print()
+    if bad:
+        print(f"mutants: FAILED: {len(bad)} of {len(results)} not caught ({', '.join(bad)}) in {total:.0f} s")
+        return 1
+    print(f"mutants: {len(results)} of {len(results)} caught (tier {args.tier}) in {total:.0f} s")
+    return 0
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+
+        return torch.__version__ + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+    except Exception:  # noqa: BLE001 - informational only
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""A CPU stand-in for a CUDA graph, so the engine's real replay logic runs in CPU tests.
+
+``TapeBackend`` implements :class:`nemo_cudagraph_plugin.core.backend.GraphBackend` on CPU tensors. Its
+"graph" (:class:`TapeGraph`) is a faithful model of what a CUDA graph is to the code around it:
+
+* **capture** runs the step once (a real capture only records; the engine replays once right after capture,
+  so the first replay after a capture is a no-op here) under a ``TorchDispatchMode`` that records every aten
+  op with the *memory* of its tensor arguments and outputs: each tensor is recorded as a storage-bound alias
+  (same storage, offset, sizes, strides) made at capture time. A graph sees addresses, not Python objects: if
+  user code later does ``p.data = new`` or ``torch.utils.swap_tensors``, the tape keeps reading and writing
+  the old memory, exactly like a CUDA graph.
+* **replay** re-executes the recorded ops on those aliases (under ``no_grad``; autograd already ran at
+  capture, its backward ops are on the tape), with no Python of the step. Ops that returned new tensors are
+  recomputed and copied into the memory recorded for their outputs; views, in-place and ``out=`` ops just
+  re-execute on the recorded memory. ``empty*`` ops are skipped (a graph's allocation is not a kernel).
+* **Python values are baked**: a float learning rate, a Python branch, a counter read in ``training_step``,
+  the result of ``.item()`` when ``sync_in_capture="bake"`` — all keep their capture-time value, the hazard
+  real graphs have. By default a host sync during capture raises like CUDA does ("operation not permitted
+  when stream is capturing").
+* **random numbers**: ops drawing from the default CPU generator draw again on each replay (CUDA advances
+  the default generator's Philox offset per replay, so replays draw what eager steps would). An explicit
+  ``generator=`` that was registered with :meth:`TapeGraph.register_generator_state` advances too; an
+  unregistered one replays the numbers of the capture every time (its capture-time state is put back
+  before the op and its live state after it), so skipping the registration is caught on CPU.
+* :meth:`TapeBackend.sync_errors` raises ``RuntimeError("... called a synchronizing CUDA operation ...")`` on
+  the ops that synchronise the host with a CUDA device (``.item()``/``float(t)``/``bool(t)``, ``nonzero``,
+  boolean-mask indexing, ``masked_select``, ``unique``, ``torch.equal``, ``repeat_interleave`` without
+  ``output_size``, ``bincount``) and on host data created on the device (``torch.tensor(data, device=...)``,
+  ``torch.as_tensor(data, device=...)``: on CUDA a blocking host-to-device copy). A tensor built on the host
+  without ``device=`` is a host tensor and allowed (the tape cannot tell a later ``.to(device)`` apart from
+  a no-op: CPU is both host and device here). The same ops fail a capture (``sync_in_capture="raise"``).
+  The frames of this file are removed from the traceback, so the engine's error points at the user's line
+  as it does on CUDA.
+
+Streams are trivial, the memory pool is ``None``, the RNG state is ``torch.get_rng_state()``.
+Nothing in the package imports this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from nemo_cudagraph_plugin.core.backend import GraphBackend
+from nemo_cudagraph_plugin.core.rng import GeneratorRegistry
+
+__all__ = ["TapeBackend", "TapeGraph", "CpuGeneratorRegistry"]
+
+aten = torch.ops.aten
+_HERE = os.path.abspath(__file__)
+
+# Ops whose result is read on the host (a device -> host copy and wait on CUDA).
+_HOST_READS = {
+    aten._local_scalar_dense.default,
+    aten.item.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.allclose.default,
+}
+# Ops whose output shape depends on values (CUDA must copy a count to the host).
+_DYNAMIC = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim_consecutive.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.bincount.default,
+}
+_EMPTY = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+_INDEX_OPS = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+
+def _syncs(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Would this op wait for a CUDA device on the host (or copy host data to it, blocking)?"""
+    if func in _HOST_READS or func in _DYNAMIC:
+        return True
+    if func is aten.repeat_interleave.Tensor or func is aten.repeat_interleave.self_Tensor:
+        return kwargs.get("output_size") is None
+    if func in _INDEX_OPS:
+        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(t, Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx or ())
+    return False
+
+
+class _HostDataOnDevice:
+    """While active, ``torch.tensor``/``torch.as_tensor`` of host data with ``device=`` the tape device raise:
+    on CUDA they are a blocking host-to-device copy. (Not a dispatcher op: the data becomes a tensor before
+    any op runs, so this is the one check made at the Python level.)"""
+
+    _NAMES = ("tensor", "as_tensor")
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self._orig: dict[str, Any] = {}
+
+    def __enter__(self) -> None:
+        for name in self._NAMES:
+            fn = self._orig[name] = getattr(torch, name)
+            setattr(torch, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        message = self.message
+
+        def checked(data: Any, *args: Any, **kwargs: Any) -> Tensor:
+            dev = kwargs.get("device", args[1] if name == "as_tensor" and len(args) > 1 else None)
+            if dev is not None and not isinstance(data, Tensor) and torch.device(dev).type == "cpu":
+                raise RuntimeError(f"torch.{name}(<host data>, device={str(dev)!r}): {message}")
+            return fn(data, *args, **kwargs)
+
+        return checked
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._orig.items():
+            setattr(torch, name, fn)
+        self._orig.clear()
+
+
+def _strip_own_frames(exc: BaseException) -> None:
+    """Drop this file's frames from ``exc``'s traceback: on CUDA the error comes from C++, so the innermost
+    Python frame is the user's line (what the engine's locator reports)."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == _HERE:
+        tb = tb.tb_next
+    head = tb
+    while tb is not None:
+        nxt = tb.tb_next
+        while nxt is not None and os.path.abspath(nxt.tb_frame.f_code.co_filename) == _HERE:
+            nxt = nxt.tb_next
+        tb.tb_next = nxt
+        tb = nxt
+    exc.__traceback__ = head
+
+
+_SYNC_MSG = "called a synchronizing CUDA operation (TapeBackend sync check)"
+_CAPTURE_MSG = "CUDA error: operation not permitted when stream is capturing (TapeBackend)"
+
+
+class _SyncErrors(TorchDispatchMode):
+    """``torch.cuda.set_sync_debug_mode("error")`` for the tape device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._host_data = _HostDataOnDevice(_SYNC_MSG)
+
+    def __enter__(self) -> Any:
+        self._host_data.__enter__()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if _syncs(func, args, kwargs):
+            raise RuntimeError(f"{func}: {_SYNC_MSG}")
+        return func(*args, **kwargs)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+        self._host_data.__exit__()
+        if exc is not None:
+            _strip_own_frames(exc)
+        return super().__exit__(exc_type, exc, tb)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the graph
+# ----------------------------------------------------------------------------------------------------------
+def _alias(t: Tensor) -> Tensor:
+    """A new tensor object on the same memory as ``t`` (storage, offset, sizes, strides)."""
+    with _disable_current_modes(), torch.no_grad():
+        a = torch.empty(0, dtype=t.dtype, device=t.device)
+        a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return a
+
+
+def _map(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(o, fn) for o in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> list[Optional[Tensor]]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        out: list[Optional[Tensor]] = []
+        for o in obj:
+            out.extend(_tensors(o) if isinstance(o, (Tensor, list, tuple)) else [None])
+        return out
+    return []
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+class _Op:
+    __slots__ = ("func", "args", "kwargs", "outs", "gens")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, outs: list[Optional[Tensor]], gens: list) -> None:
+        self.func, self.args, self.kwargs, self.outs, self.gens = func, args, kwargs, outs, gens
+
+
+class TapeGraph:
+    """What a captured CUDA graph is to the engine, on CPU (see the module docstring).
+
+    Attributes:
+        ops: the recorded aten ops.
+        replays: replays that re-executed the tape (the no-op replay right after capture is not counted).
+    """
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+        self.registered: list[torch.Generator] = []
+        self.replays = 0
+        self._fresh = False
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        """Like ``CUDAGraph.register_generator_state``: replays advance ``generator``."""
+        if not any(g._cdata == generator._cdata for g in self.registered):
+            self.registered.append(generator)
+
+    def _advances(self, gen: torch.Generator) -> bool:
+        # The dispatcher hands ops a new Python wrapper of the generator: compare the C++ object.
+        return gen._cdata == torch.default_generator._cdata or any(g._cdata == gen._cdata for g in self.registered)
+
+    def replay(self) -> None:
+        """Re-execute the tape on the recorded memory (the first call after a capture does nothing: capture
+        already ran the step once, where a CUDA capture only records it)."""
+        if self._fresh:
+            self._fresh = False
+            return
+        with torch.no_grad():
+            for op in self.ops:
+                fixed = [(g, s, g.get_state()) for g, s in op.gens if not self._advances(g)]
+                for g, s, _ in fixed:
+                    g.set_state(s)
+                try:
+                    new = op.func(*op.args, **op.kwargs)
+                finally:
+                    for g, _, live in fixed:
+                        g.set_state(live)
+                for rec, t in zip(op.outs, _tensors(new)):
+                    if rec is not None and t is not None and not _same_memory(rec, t):
+                        rec.copy_(t)
+        self.replays += 1
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: TapeGraph, sync_in_capture: str) -> None:
+        super().__init__()
+        self.graph = graph
+        self.sync_in_capture = sync_in_capture
+        self._host_data = _HostDataOnDevice(_CAPTURE_MSG) if sync_in_capture == "raise" else None
+
+    def __enter__(self) -> Any:
+        if self._host_data is not None:
+            self._host_data.__enter__()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":  # record_function markers: not device work
+            return func(*args, **kwargs)
+        if _syncs(func, args, kwargs):
+            if self.sync_in_capture == "raise":
+                raise RuntimeError(f"{func}: {_CAPTURE_MSG}")
+            # "bake": runs; a host value it returns stays in the Python that used it (not on the tape)
+        gens = [(g, g.get_state()) for g in [*args, *kwargs.values()] if isinstance(g, torch.Generator)]
+        out = func(*args, **kwargs)
+        outs = _tensors(out)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        # empty*: allocation only, nothing to re-run (its memory is the output's recorded memory).
+        # Ops that neither write an argument nor return a tensor (sizes, flags) do no device work.
+        if func not in _EMPTY and (writes or any(t is not None for t in outs)):
+            memo: dict[int, Tensor] = {}
+
+            def alias(t: Tensor) -> Tensor:
+                a = memo.get(id(t))
+                if a is None:
+                    a = memo[id(t)] = _alias(t)
+                return a
+
+            rec_outs = [None if t is None else alias(t) for t in outs]
+            rec_kwargs = {k: _map(v, alias) for k, v in kwargs.items()}
+            self.graph.ops.append(_Op(func, _map(args, alias), rec_kwargs, rec_outs, gens))
+        return out
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+        if self._host_data is not None:
+            self._host_data.__exit__()
+        if exc is not None:
+            _strip_own_frames(exc)
+        return super().__exit__(exc_type, exc, tb)
+
+
+class _Stream:
+    """Streams are an ordering concept on a GPU; the tape device has one queue."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+class TapeBackend(GraphBackend):
+    """A :class:`GraphBackend` whose graphs are :class:`TapeGraph` tapes on CPU tensors.
+
+    Args:
+        sync_in_capture: ``"raise"`` (like CUDA: a host sync inside a capture fails it) or ``"bake"`` (the host
+            value read at capture stays in the Python that used it, for tests of that hazard).
+
+    Attributes:
+        graphs: every graph captured through this backend, in order.
+    """
+
+    device_type = "cpu"
+
+    def __init__(self, sync_in_capture: str = "raise") -> None:
+        if sync_in_capture not in ("raise", "bake"):
+            raise ValueError("sync_in_capture must be 'raise' or 'bake'")
+        self.sync_in_capture = sync_in_capture
+        self.graphs: list[TapeGraph] = []
+
+    def new_graph(self) -> TapeGraph:
+        return TapeGraph()
+
+    def pool(self) -> Any:
+        return None
+
+    @contextlib.contextmanager
+    def capture(self, graph: TapeGraph, pool: Any, stream: Any) -> Iterator[None]:
+        graph.ops.clear()
+        with _Recorder(graph, self.sync_in_capture):
+            yield
+        graph._fresh = True
+        self.graphs.append(graph)
+
+    def side_stream(self, device: torch.device) -> _Stream:
+        return _Stream()
+
+    def current_stream(self, device: torch.device) -> _Stream:
+        return _Stream()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def sync_errors(self) -> contextlib.AbstractContextManager:
+        return _SyncErrors()
+
+    def rng_state(self, device: torch.device) -> Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: Any, device: torch.device) -> None:
+        torch.set_rng_state(state)
+
+    @property
+    def replays(self) -> int:
+        """Tape re-executions over every graph of this backend."""
+        return sum(g.replays for g in self.graphs)
+
+
+def CpuGeneratorRegistry() -> GeneratorRegistry:  # noqa: N802 - kept as the tests' constructor name
+    """The package's :class:`GeneratorRegistry` for the stand-in graph's CPU generators."""
+    return GeneratorRegistry(device_type="cpu")
