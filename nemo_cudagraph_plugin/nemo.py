@@ -79,6 +79,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
+from .core.config import option_names
+
 __all__ = [
     "CAPTURE_OPTIONS",
     "Change",
@@ -99,10 +101,9 @@ Mode = Literal["auto", "callback", "strategy"]
 Fp8Refresh = Union[bool, Literal["auto"]]
 
 #: Options of CudaGraphCallback / CudaGraphStrategy (our whole-step capture engine).
-CAPTURE_OPTIONS = (
-    "warmup_steps", "max_graphs", "on_cache_full", "on_capture_error", "nan_guard", "nan_check_every",
-    "nan_action", "verify_steps", "verify_rtol", "sync_check", "fp8_refresh",
-)
+# The capture options the flag passes through (CaptureConfig is their one definition); `enabled` is the flag's own
+# argument and pipeline alignment is the flag's decision (fp8_refresh / AlignPipelineTransposes).
+CAPTURE_OPTIONS = tuple(n for n in option_names() if n not in ("enabled", "align_pp_transposes"))
 MEGATRON_IMPLS = ("local", "transformer_engine")
 _RECORD = "__nemo_cudagraph_record__"  # attribute on the recipe root: values before the flag, for undo
 _UNSET = "<unset>"  # the record's marker for "the argument was not set explicitly"
