@@ -11,6 +11,11 @@ step through ``get_forward_backward_func()``. One process runs one arm and write
     python benchmarks/megatron_bed.py report eager_a.json eager_b.json layer.json full.json ... \
         --md record.md --json record.json
 
+The report groups arms by what they compute (``GROUP_FIELDS``: precision, FP8 primary weights, fused wgrad,
+steps, model and data sizes, seed, lr): each arm is compared with the first plain eager arm of its own group, and
+the group's second eager arm gives the eager-vs-eager noise floor. Mode, tag, timing/verification and the graph
+switches are not part of a group.
+
 Modes. ``eager``: no graph. ``layer``: the fields ``nemo_cudagraph_plugin.nemo.with_cuda_graph`` puts on a recipe's
 ``model.config``, applied by the same function (``apply_megatron_graph_fields``) to this ``TransformerConfig``:
 megatron-core captures and replays each transformer layer. ``full``: the same function with
@@ -31,6 +36,15 @@ and the installed megatron-core's capabilities. Arms for the other questions:
   with NaN, so any double add into ``main_grad`` shows as a NaN gradient norm. ``--break-grad-added`` empties
   megatron-core's restore of ``grad_added_to_main_grad`` after the per-layer capture (what a megatron-core without
   it does); ``--guard-fused-wgrad`` lets the flag's decision see that missing capability.
+* Per-layer graphs vs eager (why they are not bitwise on megatron-core 0.16.1): ``--grad-fingerprints N`` records,
+  at steps 0..N-1, one fingerprint per parameter of ``main_grad`` after the forward-backward (before clipping and
+  the optimizer step); the report names the parameters whose gradient is not bitwise the reference's.
+  ``--keep-graph-inputs`` (mode layer) keeps each layer graph's forward input buffers out of megatron-core's
+  ``TensorReusePool``, into which megatron-core < 0.18 returns them right after the forward capture
+  (``cuda_graphs.py`` 0.16.1 l.986-995) although the backward graph still reads them: the first layer's input
+  buffer is then handed to the last layer's backward graph as its output-gradient buffer (l.1056), and every
+  replayed step overwrites the first layer's saved norm input with that gradient (l.639-643) before the first
+  layer's backward reads it. core_v0.18.0 deletes that return (Megatron-LM commit 481efd020e, #4433).
 
 A benchmark: it measures and records, it asserts nothing (``tests/gpu/test_megatron_gpu.py`` does).
 Everything except ``run()`` works without a GPU (config building, argument parsing, the report).
@@ -87,6 +101,8 @@ class BedConfig:
     align_every_step: bool = False
     break_grad_added: bool = False
     guard_fused_wgrad: bool = False
+    keep_graph_inputs: bool = False  # keep per-layer graph input buffers out of megatron-core's reuse pool
+    grad_fingerprints: int = 0  # per-parameter main_grad fingerprints at steps 0..N-1
     verify_every: int = 10
     timing_skip: int = 5  # first steps (warm-up, capture) left out of ms/step
     tag: str = ""
@@ -103,6 +119,10 @@ class BedConfig:
             raise ValueError("--break-grad-added removes megatron-core's per-layer replay restore: use --mode layer.")
         if self.guard_fused_wgrad and not self.break_grad_added:
             raise ValueError("--guard-fused-wgrad only makes sense with --break-grad-added (the capability it hides).")
+        if self.keep_graph_inputs and self.mode != "layer":
+            raise ValueError("--keep-graph-inputs changes megatron-core's per-layer graph capture: use --mode layer.")
+        if self.grad_fingerprints < 0:
+            raise ValueError("--grad-fingerprints N: N is a number of steps (0 = none).")
         if self.fp8 == "none":
             self.fp8_params = False
         if not self.tag:
@@ -115,13 +135,14 @@ def parse_args(argv: Optional[list[str]] = None) -> BedConfig:
     d = BedConfig()
     p.add_argument("--mode", choices=MODES, default=d.mode)
     for name in ("steps", "microbatches", "micro_batch_size", "seq_length", "layers", "hidden", "heads", "vocab",
-                 "warmup_steps", "seed", "bucket_params", "force_sync_every", "verify_every", "timing_skip"):
+                 "warmup_steps", "seed", "bucket_params", "force_sync_every", "verify_every", "timing_skip",
+                 "grad_fingerprints"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--fp8", choices=("hybrid", "none"), default=d.fp8)
     p.add_argument("--fp8-recipe", choices=("tensorwise", "delayed"), default=d.fp8_recipe)
     for name in ("fp8_params", "gaf", "poison_placeholder", "param_gather_refresh", "align_every_step",
-                 "break_grad_added", "guard_fused_wgrad", "overlap_param_gather"):
+                 "break_grad_added", "guard_fused_wgrad", "overlap_param_gather", "keep_graph_inputs"):
         p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=getattr(d, name))
     p.add_argument("--tag", default="")
     p.add_argument("--out", default="")
@@ -345,6 +366,71 @@ def _break_grad_added_restore(model: Any) -> int:
     return n
 
 
+def withhold_forward_inputs(runner: Any, pool: Any) -> int:
+    """Take ``runner``'s forward-graph input buffers back out of megatron-core's ``TensorReusePool``; returns how many.
+
+    megatron-core < 0.18 puts the input buffers a layer's forward graph copies its inputs into back into the pool
+    as soon as that forward graph is captured (``_CudaGraphRunner.create_fwd_graph``, 0.16.1 l.986-995), although
+    the layer's backward graph still reads them (TransformerEngine's norm backward reads the saved norm input). The
+    pool then hands the same memory to a later capture (the last layer's output-gradient buffer, l.1056), whose
+    replay overwrites it before this layer's backward replays. Withheld buffers stay owned by this runner alone.
+    """
+    import torch
+
+    live = {t.data_ptr() for t in getattr(runner, "fwd_graph_input_surface", ()) if torch.is_tensor(t)}
+    kept = [b for b in pool.pool if b.data_ptr() not in live]
+    withheld = len(pool.pool) - len(kept)
+    pool.pool[:] = kept
+    return withheld
+
+
+def install_keep_graph_inputs() -> dict[str, int]:
+    """Make every per-layer forward capture keep its input buffers (``--keep-graph-inputs``); returns live counts.
+
+    What megatron-core 0.18.0 does by deleting the return to the pool (Megatron-LM commit 481efd020e, #4433). Only
+    the bed's process is patched; nothing else changes in the capture.
+    """
+    from megatron.core.transformer import cuda_graphs as cg
+
+    record = getattr(cg, "_CudagraphGlobalRecord", None)
+    if getattr(record, "tensor_reuse_pool", None) is None or not hasattr(cg, "_CudaGraphRunner"):
+        raise RuntimeError("--keep-graph-inputs: this megatron-core has no _CudagraphGlobalRecord.tensor_reuse_pool "
+                           "(the per-layer graph buffer pool of megatron-core < 0.18); run the arm without it.")
+    stats = {"forward_captures": 0, "withheld_buffers": 0}
+    original = cg._CudaGraphRunner.create_fwd_graph
+
+    @functools.wraps(original)
+    def create_fwd_graph(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        stats["forward_captures"] += 1
+        stats["withheld_buffers"] += withhold_forward_inputs(self, record.tensor_reuse_pool)
+        return out
+
+    cg._CudaGraphRunner.create_fwd_graph = create_fwd_graph
+    return stats
+
+
+def grad_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
+    """One fingerprint per parameter of its ``main_grad`` (the fp32 gradient the optimizer reads): a hash of the
+    bytes (bitwise equality), the norm and the count of non-finite elements. Synchronises with the device."""
+    import hashlib
+
+    import torch
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            continue
+        host = g.detach().float().contiguous().cpu().reshape(-1)
+        out[name.removeprefix("module.")] = {
+            "sha1": hashlib.sha1(host.view(torch.uint8).numpy().tobytes()).hexdigest(),
+            "norm": float(host.double().norm()), "numel": host.numel(),
+            "nonfinite": int((~torch.isfinite(host)).sum()),
+        }
+    return out
+
+
 def run(cfg: BedConfig) -> dict[str, Any]:
     """Train ``cfg.steps`` steps of one arm; returns the record (also on failure, with ``error``)."""
     import torch
@@ -355,7 +441,7 @@ def run(cfg: BedConfig) -> dict[str, Any]:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     rec: dict[str, Any] = {"tag": cfg.tag, "mode": cfg.mode, "config": dataclasses.asdict(cfg), "error": None,
                            "losses": [], "grad_norms": [], "ms": [], "excluded_steps": [], "fp8_checks": [],
-                           "events": []}
+                           "events": [], "grad_fingerprints": {}}
     try:
         rec["versions"] = _versions()
         _init_distributed()
@@ -375,6 +461,7 @@ def run(cfg: BedConfig) -> dict[str, Any]:
         tc, info = transformer_config(cfg)
         rec["flag"] = info
         rec["gradient_accumulation_fusion"] = bool(tc.gradient_accumulation_fusion)
+        keep = install_keep_graph_inputs() if cfg.keep_graph_inputs else None
         model, optimizer = build(cfg, tc)
         torch.cuda.set_stream(torch.cuda.Stream())  # every arm on a side stream (megatron's per-layer graphs do)
         from nemo_cudagraph_plugin.fp8 import iter_fp8_params
@@ -401,6 +488,8 @@ def run(cfg: BedConfig) -> dict[str, Any]:
             out = fbf(forward_step_func=_forward_step, data_iterator=it, model=[model],
                       num_microbatches=cfg.microbatches, seq_length=cfg.seq_length,
                       micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length, forward_only=False)
+            if step < cfg.grad_fingerprints:  # after finalize_model_grads, before clipping and the step
+                rec["grad_fingerprints"][str(step)] = grad_fingerprints(model)
             if step in verify_at:
                 torch.cuda.synchronize()
                 r = verify_fp8_transposes(model)
@@ -423,12 +512,16 @@ def run(cfg: BedConfig) -> dict[str, Any]:
             if step % 20 == 0 or step == cfg.steps - 1:
                 print(f"  {cfg.tag} step {step}: loss {loss:.5f} grad_norm {rec['grad_norms'][-1]:.4g} {ms:.2f} ms",
                       flush=True)
-            if step in verify_at or step in forced_at or step < cfg.timing_skip:
+            if step in verify_at or step in forced_at or step < max(cfg.timing_skip, cfg.grad_fingerprints):
                 rec["excluded_steps"].append(step)
             if step == 0 and cfg.break_grad_added:
                 rec["events"].append(f"emptied the grad_added_to_main_grad restore of {_break_grad_added_restore(model)} "
                                      "per-layer graph runners after step 0")
         rec["graphs"] = count_megatron_graphs([model])
+        if keep is not None:
+            rec["keep_graph_inputs"] = dict(keep)
+            rec["events"].append(f"kept {keep['withheld_buffers']} forward input buffers of "
+                                 f"{keep['forward_captures']} per-layer forward captures out of the reuse pool")
         if gather is not None:
             rec["param_gather_refresh"] = {"paths": sorted(gather.paths), "refreshed": dict(gather.refreshed),
                                            "calls": dict(gather.calls), "summary": gather.summary()}
@@ -479,23 +572,107 @@ def _diff(a: list[float], b: list[float]) -> dict[str, Any]:
             "nonfinite_pairs": n - len(finite)}
 
 
-def compare(records: list[dict[str, Any]], reference: str = "eager_a", noise: str = "eager_b") -> dict[str, Any]:
-    """Each record against the reference eager arm; the eager-vs-eager difference is the noise floor.
+def grad_fingerprint_diff(rec: dict[str, Any], ref: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per step both records fingerprinted (``--grad-fingerprints``): the parameters whose ``main_grad`` is not
+    bitwise the reference's, each with both norms and the relative norm difference, largest first."""
+    a_all, b_all = rec.get("grad_fingerprints") or {}, ref.get("grad_fingerprints") or {}
+    out = []
+    for step in sorted(set(a_all) & set(b_all), key=int):
+        a, b = a_all[step], b_all[step]
+        names = [n for n in b if n in a]
+        differ = []
+        for n in names:
+            if a[n]["sha1"] != b[n]["sha1"]:
+                x, y = a[n]["norm"], b[n]["norm"]
+                rel = abs(x - y) / abs(y) if y and math.isfinite(x) and math.isfinite(y) else (0.0 if x == y else None)
+                differ.append({"param": n, "norm": x, "ref_norm": y, "norm_rel_diff": rel,
+                               "nonfinite": a[n].get("nonfinite", 0)})
+        differ.sort(key=lambda d: math.inf if d["norm_rel_diff"] is None else d["norm_rel_diff"], reverse=True)
+        out.append({"step": int(step), "params": len(names), "differ": differ})
+    return out
 
-    Verdicts: ``bitwise`` (every loss identical), ``within eager noise`` (max loss difference <= the eager-vs-eager
-    one), else ``differs``; any non-finite loss or gradient norm is ``NaN``.
+
+# Which BedConfig fields define what an arm computes (its comparison group) and which only say how it runs.
+# Arms of one group train the same model on the same data with the same optimizer: each is compared with that
+# group's first plain eager arm (the reference), and the group's second plain eager arm gives the noise floor.
+# steps is in the key because _make_data draws the token streams for the whole run at once (a 60-step run sees
+# other data than a 120-step run). Every BedConfig field is in exactly one of the two tuples (a CPU test checks).
+GROUP_FIELDS = ("fp8", "fp8_recipe", "fp8_params", "gaf", "poison_placeholder", "steps", "microbatches",
+                "micro_batch_size", "seq_length", "layers", "hidden", "heads", "vocab", "seed", "lr",
+                "bucket_params")
+RUN_FIELDS = ("mode", "warmup_steps", "overlap_param_gather", "force_sync_every", "param_gather_refresh",
+              "align_every_step", "break_grad_added", "guard_fused_wgrad", "keep_graph_inputs", "grad_fingerprints",
+              "verify_every", "timing_skip", "tag", "out")
+
+
+def group_key(rec: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The comparison group of one record: its ``GROUP_FIELDS`` (BedConfig defaults where the record lacks them)."""
+    cfg = rec.get("config") or {}
+    d = BedConfig()
+    fp8 = cfg.get("fp8", d.fp8)
+    key = {name: cfg.get(name, getattr(d, name)) for name in GROUP_FIELDS}
+    if fp8 == "none":
+        key["fp8_params"] = False  # as BedConfig.__post_init__ does
+    return tuple(key.items())
+
+
+def _plain_eager(rec: dict[str, Any]) -> bool:
+    """An eager arm that ran and is not deliberately perturbed (no forced parameter sync): a reference candidate."""
+    cfg = rec.get("config") or {}
+    return (rec.get("mode") == "eager" and not rec.get("error") and bool(rec.get("losses"))
+            and not cfg.get("force_sync_every"))
+
+
+def _label(key: tuple[tuple[str, Any], ...], varying: list[str]) -> str:
+    """The precision fields always, then whatever else tells this group from the others in the report."""
+    return " ".join(f"{k}={v}" for k, v in key if k in ("fp8", "fp8_params") or k in varying)
+
+
+def compare(records: list[dict[str, Any]], reference: Optional[str] = None,
+            noise: Optional[str] = None) -> dict[str, Any]:
+    """Each record against the eager reference of its own configuration group (:func:`group_key`).
+
+    A group's reference is its first plain eager arm in the order given (``reference`` names a preferred tag), its
+    noise arm the second one (``noise`` names a preferred tag); the noise arm's difference from the reference is
+    that group's eager-vs-eager noise floor. Verdicts: ``bitwise`` (every loss and gradient norm identical),
+    ``within eager noise`` (max loss difference <= the group's eager-vs-eager one), else ``differs``; any
+    non-finite loss or gradient norm is ``NaN``; ``no eager ref`` where the group has no plain eager arm.
     """
-    by_tag = {r["tag"]: r for r in records}
-    ref = by_tag.get(reference)
-    noise_diff = _diff(by_tag[noise]["losses"], ref["losses"]) if ref and noise in by_tag else None
-    floor = noise_diff["max_abs"] if noise_diff and noise_diff["max_abs"] is not None else 0.0
-    gn_floor = _diff(by_tag[noise]["grad_norms"], ref["grad_norms"])["max_rel"] if ref and noise in by_tag else None
+    keys = [group_key(r) for r in records]
+    order: list[tuple[tuple[str, Any], ...]] = []
+    for k in keys:
+        if k not in order:
+            order.append(k)
+    varying = [name for name in GROUP_FIELDS if len({dict(k)[name] for k in order}) > 1]
+    groups = []
+    by_key: dict[Any, dict[str, Any]] = {}
+    for i, k in enumerate(order, 1):
+        members = [r for r, rk in zip(records, keys) if rk == k]
+        cands = [r for r in members if _plain_eager(r)]
+        ref = next((r for r in cands if r["tag"] == reference), cands[0] if cands else None)
+        rest = [r for r in cands if r is not ref]
+        nz = next((r for r in rest if r["tag"] == noise), rest[0] if rest else None)
+        noise_diff = _diff(nz["losses"], ref["losses"]) if ref and nz else None
+        g = {"name": f"G{i}", "label": _label(k, varying), "key": dict(k), "tags": [r["tag"] for r in members],
+             "reference": ref["tag"] if ref else None, "noise_arm": nz["tag"] if nz else None,
+             "noise": noise_diff,
+             "noise_grad_norm_max_rel": _diff(nz["grad_norms"], ref["grad_norms"])["max_rel"] if ref and nz else None}
+        groups.append(g)
+        by_key[k] = {"group": g, "ref": ref}
     rows = []
-    for r in records:
+    for r, k in zip(records, keys):
+        g, ref = by_key[k]["group"], by_key[k]["ref"]
         s = r.get("summary") or summarize(r)
         row: dict[str, Any] = {"tag": r["tag"], "mode": r["mode"], "error": r.get("error"), **s,
-                               "graphs": r.get("graphs"), "gaf": r.get("gradient_accumulation_fusion")}
-        if ref is not None and r is not ref and r.get("losses"):
+                               "graphs": r.get("graphs"), "gaf": r.get("gradient_accumulation_fusion"),
+                               "group": g["name"], "reference": g["reference"], "noise_arm": g["noise_arm"]}
+        n = g["noise"]
+        floor = n["max_abs"] if n and n["max_abs"] is not None else 0.0
+        if r is ref:
+            pass
+        elif ref is None:
+            row["verdict"] = "no eager ref"
+        elif r.get("losses"):
             ld = _diff(r["losses"], ref["losses"])
             gd = _diff(r["grad_norms"], ref["grad_norms"])
             row["loss_vs_ref"] = ld
@@ -509,8 +686,10 @@ def compare(records: list[dict[str, Any]], reference: str = "eager_a", noise: st
             else:
                 verdict = "differs"
             row["verdict"] = verdict
+            if r.get("grad_fingerprints") and ref.get("grad_fingerprints"):
+                row["grads_vs_ref"] = grad_fingerprint_diff(r, ref)
         rows.append(row)
-    return {"reference": reference, "noise": noise_diff, "noise_grad_norm_max_rel": gn_floor, "rows": rows}
+    return {"groups": groups, "rows": rows}
 
 
 def _fmt(x: Any, spec: str = ".3g") -> str:
@@ -522,8 +701,9 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
 
 
 def table(summary: dict[str, Any]) -> str:
-    """A short fixed-width table, one row per arm."""
-    head = (f"{'arm':<18} {'ms/step':>8} {'graphs(l/f)':>11} {'loss Δmax':>10} {'bitwise':>9} "
+    """A short fixed-width table, one row per arm; ``vs`` is the eager arm the row is compared with (its group's
+    reference), then one line per configuration group with its eager-vs-eager noise floor."""
+    head = (f"{'arm':<18} {'grp':>3} {'ms/step':>8} {'graphs(l/f)':>11} {'vs':<16} {'loss Δmax':>10} {'bitwise':>9} "
             f"{'gnorm Δrel':>10} {'NaN':>4} {'stale(unfl)':>11} {'verdict':<18}")
     lines = [head]
     for r in summary["rows"]:
@@ -531,16 +711,33 @@ def table(summary: dict[str, Any]) -> str:
         graphs = f"{g.get('layer_fwd_graphs', '-')}+{g.get('layer_bwd_graphs', '-')}/{g.get('full_iteration_graphs', '-')}"
         ld = r.get("loss_vs_ref") or {}
         gd = r.get("grad_norm_vs_ref") or {}
-        bit = f"{ld.get('bitwise_steps')}/{ld.get('steps')}" if ld else ("ref" if r["tag"] == summary["reference"] else "-")
-        verdict = r.get("verdict", "reference") if not r.get("error") else "ERROR"
+        is_ref = r["tag"] == r.get("reference")
+        bit = f"{ld.get('bitwise_steps')}/{ld.get('steps')}" if ld else ("ref" if is_ref else "-")
+        verdict = r.get("verdict", "reference" if is_ref else "-") if not r.get("error") else "ERROR"
+        vs = "(itself)" if is_ref else (r.get("reference") or "-")
         lines.append(
-            f"{r['tag']:<18} {_fmt(r.get('ms_median'), '.2f'):>8} {graphs:>11} {_fmt(ld.get('max_abs')):>10} "
-            f"{bit:>9} {_fmt(gd.get('max_rel')):>10} {r.get('nonfinite_grad_norms', '-'):>4} "
+            f"{r['tag']:<18} {r.get('group', '-'):>3} {_fmt(r.get('ms_median'), '.2f'):>8} {graphs:>11} {vs:<16} "
+            f"{_fmt(ld.get('max_abs')):>10} {bit:>9} {_fmt(gd.get('max_rel')):>10} {r.get('nonfinite_grad_norms', '-'):>4} "
             f"{str(r.get('fp8_stale', '-')) + '(' + str(r.get('fp8_stale_unflagged', '-')) + ')':>11} {verdict:<18}"
         )
-    n = summary.get("noise") or {}
-    lines.append(f"eager-vs-eager noise: loss max |Δ| {_fmt(n.get('max_abs'))}, bitwise steps "
-                 f"{n.get('bitwise_steps')}/{n.get('steps')}, grad-norm max rel {_fmt(summary.get('noise_grad_norm_max_rel'))}")
+    for r in summary["rows"]:
+        for st in r.get("grads_vs_ref") or ():
+            names = ", ".join(f"{d['param']} ({_fmt(d['norm_rel_diff'])})" for d in st["differ"][:4])
+            more = f" +{len(st['differ']) - 4} more" if len(st["differ"]) > 4 else ""
+            lines.append(f"{r['tag']} main_grad vs {r['reference']} step {st['step']}: {len(st['differ'])}/{st['params']} "
+                         f"params not bitwise" + (f": {names}{more} (norm rel Δ)" if names else ""))
+    for grp in summary.get("groups", []):
+        head = f"{grp['name']} [{grp['label']}]"
+        n = grp.get("noise")
+        if grp.get("reference") is None:
+            lines.append(f"{head}: no plain eager arm, no verdicts")
+        elif n is None:
+            lines.append(f"{head}: reference {grp['reference']}, no second eager arm: eager-vs-eager noise unknown "
+                         "(floor taken as 0)")
+        else:
+            lines.append(f"{head}: reference {grp['reference']}, eager-vs-eager noise ({grp['noise_arm']}): loss max "
+                         f"|Δ| {_fmt(n.get('max_abs'))}, bitwise steps {n.get('bitwise_steps')}/{n.get('steps')}, "
+                         f"grad-norm max rel {_fmt(grp.get('noise_grad_norm_max_rel'))}")
     return "\n".join(lines)
 
 
@@ -551,10 +748,14 @@ def markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     out = ["# Megatron-core test bed (issue #15)", "",
            "Produced by `benchmarks/megatron_session.sh` (`benchmarks/megatron_bed.py`). Versions: "
            + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
-           "Columns: ms/step (median of the timed steps), graphs megatron-core captured (per-layer fwd+bwd / "
-           "whole-iteration), loss max |Δ| and bitwise-equal steps vs the reference eager arm, gradient-norm max "
-           "relative difference, non-finite gradient norms, FP8 transposes found stale at the checked steps "
-           "(unflagged ones in brackets: eager TE reads those too).", "", "```", table(summary), "```", ""]
+           "Arms are grouped by configuration (" + ", ".join(GROUP_FIELDS) + "): each is compared with the "
+           "first plain eager arm of its own group (column `vs`), and the group's second eager arm gives its "
+           "eager-vs-eager noise floor (the lines under the table). Columns: configuration group, ms/step (median of "
+           "the timed steps), graphs megatron-core captured (per-layer fwd+bwd / whole-iteration), the reference, "
+           "loss max |Δ| and bitwise-equal steps vs it, gradient-norm max relative difference, non-finite gradient "
+           "norms, FP8 transposes found stale at the checked steps (unflagged ones in brackets: eager TE reads those "
+           "too). Lines `main_grad vs`: per fingerprinted step (`--grad-fingerprints`), the parameters whose "
+           "gradient is not bitwise the reference's, with the relative difference of its norm.", "", "```", table(summary), "```", ""]
     if caps:
         out += ["installed megatron-core capabilities (read from its code):", "```",
                 json.dumps({k: v for k, v in caps.items() if k != "where"}, indent=1),
@@ -563,11 +764,18 @@ def markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         flag = r.get("flag") or {}
         lines = [f"## {r['tag']} (mode {r['mode']})"]
         cfg = r.get("config", {})
-        lines.append(", ".join(f"{k}={cfg.get(k)}" for k in ("steps", "microbatches", "fp8", "fp8_recipe", "gaf",
-                                                              "overlap_param_gather", "force_sync_every",
-                                                              "param_gather_refresh",
+        row = next((x for x in summary["rows"] if x["tag"] == r["tag"]), {})
+        if row.get("group"):
+            ref = row.get("reference")
+            lines.append(f"group {row['group']}, compared with "
+                         + ("nothing (it is the reference)" if ref == r["tag"] else f"`{ref}`" if ref else
+                            "nothing (no plain eager arm in its group)"))
+        lines.append(", ".join(f"{k}={cfg.get(k)}" for k in ("steps", "microbatches", "fp8", "fp8_recipe",
+                                                              "fp8_params", "gaf", "overlap_param_gather",
+                                                              "force_sync_every", "param_gather_refresh",
                                                               "align_every_step", "break_grad_added",
-                                                              "guard_fused_wgrad")))
+                                                              "guard_fused_wgrad", "keep_graph_inputs",
+                                                              "grad_fingerprints")))
         for c in flag.get("changes", []):
             lines.append(f"- flag: `{c}`")
         for n in flag.get("notes", []):
@@ -587,8 +795,10 @@ def markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 def report_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megatron_bed.py report")
     p.add_argument("records", nargs="+")
-    p.add_argument("--reference", default="eager_a")
-    p.add_argument("--noise", default="eager_b")
+    # Each arm is compared within its configuration group (compare()); these only pick, inside a group that holds
+    # them, which plain eager arm is the reference / the noise arm (default: the first / second in the order given).
+    p.add_argument("--reference", default=None, help="preferred reference tag inside its group")
+    p.add_argument("--noise", default=None, help="preferred eager-vs-eager noise tag inside its group")
     p.add_argument("--md", default="")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)

@@ -308,6 +308,12 @@ class MegatronCapabilities:
             Megatron DDP's gradient hook does not add TE's placeholder wgrad into ``main_grad`` a second time.
         ddp_hooks_skip_megatron_capture: DDP's hooks return early while megatron-core's per-layer capture runs.
         full_cuda_graph_wrapper: ``megatron.core.full_cuda_graph.FullCudaGraphWrapper`` exists.
+        per_layer_input_buffer_reuse: the per-layer forward capture (``_CudaGraphRunner.create_fwd_graph``)
+            returns its input buffers to megatron-core's tensor reuse pool right after the forward capture,
+            although TransformerEngine's layers save their input for the backward (the norm input of
+            ``LayerNormLinear``); a later backward capture can take the same buffer for its output gradient
+            and overwrite it on every replay (megatron-core 0.16.1: ``cuda_graphs.py:995``; see
+            :func:`per_layer_parity_note`).
         where: fact -> ``megatron/core/<file>:<line>`` of the code that shows it.
     """
 
@@ -319,6 +325,7 @@ class MegatronCapabilities:
     replay_sets_grad_added_to_main_grad: bool
     ddp_hooks_skip_megatron_capture: bool
     full_cuda_graph_wrapper: bool
+    per_layer_input_buffer_reuse: bool = False
     where: dict[str, str] = field(default_factory=dict)
 
     def megatron_rebuilds(self, path: str) -> bool:
@@ -362,6 +369,7 @@ def megatron_capabilities() -> Optional[MegatronCapabilities]:
           "te_post_all_gather_processing")
     replay_sets = False
     skip = False
+    reuse = False
     try:
         cg = importlib.import_module("megatron.core.transformer.cuda_graphs")
         node = getattr(cg, "_CudagraphReplayNode", None)
@@ -369,6 +377,13 @@ def megatron_capabilities() -> Optional[MegatronCapabilities]:
                             "replay_sets_grad_added_to_main_grad")
         hook_maker = getattr(ddp_cls, "_make_backward_post_hook", None)
         skip = _uses(hook_maker, "is_graph_capturing", where, "ddp_hooks_skip_megatron_capture")
+        fwd = getattr(getattr(cg, "_CudaGraphRunner", None), "create_fwd_graph", None)
+        fwd_code = getattr(fwd, "__code__", None)
+        if fwd_code is not None and {"tensor_reuse_pool", "insert"} <= _names(fwd_code):
+            reuse = True
+            where["per_layer_input_buffer_reuse"] = (
+                f"{_short_path(fwd_code.co_filename)}:{_code_line(fwd_code, 'insert') or fwd_code.co_firstlineno}"
+            )
     except ImportError:
         pass
     try:
@@ -385,7 +400,42 @@ def megatron_capabilities() -> Optional[MegatronCapabilities]:
         replay_sets_grad_added_to_main_grad=replay_sets,
         ddp_hooks_skip_megatron_capture=skip,
         full_cuda_graph_wrapper=full,
+        per_layer_input_buffer_reuse=reuse,
         where=where,
+    )
+
+
+# Measured on an H200 (megatron-core 0.16.1, TransformerEngine 2.20.2; docs/gpu-evidence/2026-12-03-megatron-per-layer.md).
+_PER_LAYER_MEASURED = (
+    "gradient norms differ from the first captured step and the loss curves drift apart by up to 0.027 over 120 "
+    "steps, where eager against eager is bitwise; scope=['full_iteration'] was bitwise equal to eager on the same "
+    "models"
+)
+
+
+def per_layer_parity_note(capabilities: Optional[MegatronCapabilities]) -> Optional[str]:
+    """What is known about megatron-core's per-layer graphs (``cuda_graph_impl="local"``) against eager training
+    with ``capabilities`` installed; ``None`` when nothing is known against them.
+
+    megatron-core 0.16.1's per-layer graphs were measured not bit-identical to eager training. Its forward capture
+    returns a layer's input buffer to the reuse pool although TransformerEngine saved that input for the backward
+    (:attr:`MegatronCapabilities.per_layer_input_buffer_reuse`), and a later backward graph can overwrite it every
+    replay. That the reuse is the cause is read from the code; a GPU check of it (``ARMS=layerdiag``) is pending.
+    """
+    if capabilities is None:
+        return (
+            "megatron-core could not be read; its per-layer CUDA graphs (megatron-core 0.16.1) were measured not to "
+            "reproduce eager training bit for bit: " + _PER_LAYER_MEASURED
+        )
+    if not capabilities.per_layer_input_buffer_reuse:
+        return None
+    at = capabilities.where.get("per_layer_input_buffer_reuse", "megatron/core/transformer/cuda_graphs.py")
+    return (
+        f"megatron-core {capabilities.version}'s per-layer CUDA graphs do not reproduce eager training bit for bit: "
+        + _PER_LAYER_MEASURED
+        + f". Its forward capture returns each layer's input buffer to the reuse pool ({at}) although "
+        "TransformerEngine keeps that input for the layer's backward, so a later backward graph may overwrite it "
+        "on every replay (the likely cause; newer megatron-core keeps buffers saved for backward)"
     )
 
 

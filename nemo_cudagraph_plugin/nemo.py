@@ -389,11 +389,12 @@ def apply_megatron_graph_fields(
         if moe_scope is not None else "requested scope",
         "cuda_graph_warmup_steps": "requested warm-up steps",
     }
-    if "gradient_accumulation_fusion" in fields and _get(config, "gradient_accumulation_fusion") is True:
-        if capabilities == _DETECT:
-            from nemo_cudagraph_plugin.megatron import megatron_capabilities
+    gaf = "gradient_accumulation_fusion" in fields and _get(config, "gradient_accumulation_fusion") is True
+    if capabilities == _DETECT and (gaf or (not full_iteration and impl == "local")):
+        from nemo_cudagraph_plugin.megatron import megatron_capabilities
 
-            capabilities = megatron_capabilities()
+        capabilities = megatron_capabilities()
+    if gaf:
         from nemo_cudagraph_plugin.megatron import fused_wgrad_graph_safety
 
         safe, reason = fused_wgrad_graph_safety(impl=impl, full_iteration=full_iteration, capabilities=capabilities)
@@ -401,6 +402,12 @@ def apply_megatron_graph_fields(
             updates["gradient_accumulation_fusion"] = False
             whys["gradient_accumulation_fusion"] = f"fused wgrad accumulation is not graph-safe here: {reason}"
             notes.append(f"{path}.gradient_accumulation_fusion turned off: {reason}.")
+    if not full_iteration and impl == "local":
+        from nemo_cudagraph_plugin.megatron import per_layer_parity_note
+
+        note = per_layer_parity_note(None if capabilities == _DETECT else capabilities)
+        if note is not None:
+            notes.append(note)
     if rng_tracker and "use_te_rng_tracker" in fields and _get(config, "use_te_rng_tracker") is not True:
         updates["use_te_rng_tracker"] = True
         whys["use_te_rng_tracker"] = "CUDA graphs need TE's graph-safe RNG tracker"

@@ -368,3 +368,21 @@ def test_align_pp_transposes_requires_the_fp8_refresh():
     assert CaptureConfig(align_pp_transposes=True).fp8_refresh is True
     with pytest.raises(ValueError, match="align_pp_transposes=True needs the FP8 refresh"):
         CaptureConfig(align_pp_transposes=True, fp8_refresh=False)
+
+
+def test_finite_check_counts_non_finite_elements_per_slot_on_the_fallback_path():
+    from nemo_cudagraph_plugin.core.finite import FiniteCheck
+
+    a = torch.tensor([1.0, float("nan"), float("inf")])
+    b = torch.tensor([[0.0, float("-inf")], [3.0, 4.0]]).t()  # non-contiguous
+    c = torch.tensor([torch.finfo(torch.float32).max, -0.0])
+    check = FiniteCheck([a, b, c], [2, 0, 1])
+    assert not check.uses_triton  # CPU
+    acc, step = torch.zeros(3), torch.zeros(())
+    check.run(acc, step)
+    # the fallback counts tensors with a non-finite element (the kernel counts elements): both are != 0 iff bad
+    assert acc.tolist() == [1.0, 0.0, 1.0] and float(step) == 2.0
+    with pytest.raises(ValueError, match="one slot per tensor"):
+        FiniteCheck([a], [0, 1])
+    with pytest.raises(ValueError, match=r"FiniteCheck\(block=100"):
+        FiniteCheck([a], [0], block=100)

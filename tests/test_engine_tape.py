@@ -347,7 +347,7 @@ def test_nan_guard_plan_built_inside_the_sync_checked_step_does_not_sync():
     p.step(batches(1)[0])  # first gradients of a subset of the parameters (`extra` has none)
     with TapeBackend().sync_errors():
         guard.observe_grads()  # builds the plan for that subset here
-    assert len(guard._plans) == 1
+    assert len(guard._checks) == 1
     assert guard.check(raise_on_bad=False) is None
 
 

@@ -321,6 +321,9 @@ def test_capabilities_read_from_megatron_core_0161():
     assert c.where["rebuild_after_overlapped_gather"] == "megatron/core/distributed/param_and_grad_buffer.py:362"
     assert c.where["rebuild_after_sync_gather"] == "megatron/core/distributed/distributed_data_parallel.py:511"
     assert c.where["replay_sets_grad_added_to_main_grad"] == "megatron/core/transformer/cuda_graphs.py:657"
+    # the forward capture returns its input buffers to the reuse pool (the likely cause of the per-layer divergence)
+    assert c.per_layer_input_buffer_reuse
+    assert c.where["per_layer_input_buffer_reuse"] == "megatron/core/transformer/cuda_graphs.py:995"
     te = importlib.util.find_spec("transformer_engine") is not None
     assert c.te_post_all_gather_processing is te  # this CPU venv has no TE: megatron-core found none
     assert c.megatron_rebuilds("overlapped") is te

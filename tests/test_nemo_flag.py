@@ -28,6 +28,7 @@ import warnings
 import pytest
 
 from nemo_cudagraph_plugin import nemo as flag
+from nemo_cudagraph_plugin.megatron import per_layer_parity_note
 from nemo_cudagraph_plugin.nemo import (
     add_cuda_graph_argument,
     plan_megatron_graph_fields,
@@ -187,11 +188,28 @@ def test_apply_fields_to_a_plain_config_object():
     assert (cfg.cuda_graph_impl, cfg.cuda_graph_warmup_steps, cfg.use_te_rng_tracker) == ("local", 2, True)
     assert [c.path for c in setup.changes] == ["config.cuda_graph_impl", "config.cuda_graph_warmup_steps",
                                                 "config.use_te_rng_tracker"]
-    assert setup.full_iteration is False and setup.scope == [] and setup.notes == []
+    # per-layer graphs: said to differ from eager (measured on the GPU), with the scope that does not
+    assert setup.full_iteration is False and setup.scope == [] and setup.notes == [per_layer_parity_note(None)]
+    assert "full_iteration" in setup.notes[0] and "bit for bit" in setup.notes[0]
     again = flag.apply_megatron_graph_fields(cfg, warmup_steps=2, capabilities=None)
     assert again.changes == []  # idempotent
     full = flag.apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=None)
-    assert full.full_iteration and full.scope == ["full_iteration"]
+    assert full.full_iteration and full.scope == ["full_iteration"] and full.notes == []
+
+
+def test_per_layer_note_follows_the_installed_megatron_core(caplog):
+    # A megatron-core whose forward capture returns saved-for-backward inputs to its pool: named, with the line.
+    reuse = dataclasses.replace(_caps(True), per_layer_input_buffer_reuse=True,
+                                where={"per_layer_input_buffer_reuse": "megatron/core/transformer/cuda_graphs.py:995"})
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
+        setup = flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=reuse)
+    assert setup.notes == [per_layer_parity_note(reuse)]
+    assert "cuda_graphs.py:995" in caplog.text and "scope=['full_iteration']" in caplog.text
+    # One that keeps those buffers: nothing measured against it, no note; the whole iteration never gets one.
+    assert flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=_caps(True)).notes == []
+    assert flag.apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=reuse).notes == []
+    # TE's graphs (impl="transformer_engine") were not measured: no note either.
+    assert flag.apply_megatron_graph_fields(Mcore016Config(), impl="transformer_engine", capabilities=reuse).notes == []
 
 
 def test_fused_wgrad_accumulation_decision_seed_000(caplog):
@@ -237,7 +255,8 @@ def test_moe_scope_rules_on_a_plain_config(caplog):
     # Drop-and-pad: no host sync in the dispatcher, the whole layer (and the whole iteration) is fine.
     padded = dict(dropless, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     cfg = Mcore016Config(**padded)
-    assert flag.apply_megatron_graph_fields(cfg, capabilities=None).notes == [] and cfg.cuda_graph_scope == "full"
+    notes = flag.apply_megatron_graph_fields(cfg, capabilities=None).notes
+    assert notes == [per_layer_parity_note(None)] and cfg.cuda_graph_scope == "full"
     assert flag.apply_megatron_graph_fields(Mcore016Config(**padded), scope=["full_iteration"],
                                             capabilities=None).full_iteration
     # An explicit scope is the user's (megatron-core validates the moe scopes itself); 'attn' alone is noted.
@@ -245,7 +264,8 @@ def test_moe_scope_rules_on_a_plain_config(caplog):
     setup = flag.apply_megatron_graph_fields(cfg, scope=["attn"], capabilities=None)
     assert cfg.cuda_graph_scope == "attn" and "only dense layers are graphed" in setup.notes[0]
     # Not MoE: nothing said.
-    assert flag.apply_megatron_graph_fields(Mcore016Config(num_moe_experts=1), capabilities=None).notes == []
+    assert flag.apply_megatron_graph_fields(Mcore016Config(num_moe_experts=1), capabilities=None).notes == [
+        per_layer_parity_note(None)]
 
 
 def test_module_imports_without_nemo_nemo_run_or_fiddle():
@@ -405,7 +425,8 @@ def test_apply_fields_on_a_real_transformer_config_and_detected_capabilities(llm
     assert cfg.cuda_graph_impl == "local" and cfg.use_te_rng_tracker is True
     assert cfg.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.mlp]
     # megatron-core 0.16.1 restores grad_added_to_main_grad after each per-layer replay: the fusion stays on.
-    assert cfg.gradient_accumulation_fusion is True and setup.notes == []
+    assert cfg.gradient_accumulation_fusion is True and len(setup.notes) == 1
+    assert "returns each layer's input buffer to the reuse pool (megatron/core/transformer/cuda_graphs.py:995)" in setup.notes[0]
     full = _mcore_config()
     flag.apply_megatron_graph_fields(full, scope=["full_iteration"])
     full.__post_init__()

@@ -1,13 +1,14 @@
 """Device-side NaN/Inf detection that never syncs the host inside a step.
 
 Inside the captured step the guard only *adds* into device accumulators: the loss into one
-scalar, each parameter's gradient max-abs into one slot of a vector. NaN and Inf propagate through
-a sum, so a non-finite accumulator after N steps means a non-finite value in one of those steps.
-Per step this is one kernel for the loss and, for the gradients, one multi-tensor reduction per
-gradient dtype plus a ``stack`` and an ``add_`` — one read of the gradients and no host work; the
-accumulators are allocated once, outside every graph. The host reads the accumulators every ``check_every`` steps and at
-epoch end (one sync per read) and only then maps a bad slot to its parameter's name, so naming
-costs nothing per step.
+scalar, and for each parameter the number of non-finite elements of its gradient into one slot
+of a vector. NaN and Inf propagate through the loss sum and any non-finite gradient element makes
+its slot non-zero, so after N steps the accumulators say whether (and where) a step went bad.
+Per step this is one kernel for the loss and, for the gradients, one launch of
+:class:`~.finite.FiniteCheck` (one read of every gradient; a ``_foreach_norm`` fallback without
+Triton). The accumulators are allocated once, outside every graph. The host reads them every
+``check_every`` steps and at epoch end (one sync per read) and only then maps a bad slot to its
+parameter's name, so naming costs nothing per step.
 """
 
 from __future__ import annotations
@@ -18,34 +19,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._torch_compat import foreach_max_abs
 from .errors import NonFiniteError
+from .finite import FiniteCheck, capturing
 
 __all__ = ["NanGuard"]
 
-
-class _Plan:
-    """How to reduce one set of present gradients into the accumulator (built once per set)."""
-
-    __slots__ = ("groups", "index", "_host")
-
-    def __init__(self, params: list[Tensor], present: tuple[int, ...], device: torch.device) -> None:
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in present:
-            by_dtype.setdefault(params[i].grad.dtype, []).append(i)
-        self.groups = list(by_dtype.values())
-        order = [i for ids in self.groups for i in ids]
-        self.index: Optional[Tensor] = None
-        self._host: Optional[Tensor] = None
-        if order != list(range(len(params))):
-            # Copied from pinned host memory without a host sync (safe inside the sync-checked
-            # warm-up). Inside a capture the copy is a graph node re-run by every replay, so the
-            # index never depends on memory another graph may reuse.
-            host = torch.tensor(order, dtype=torch.long)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            self._host = host  # the copy reads it asynchronously: keep it alive
-            self.index = host.to(device, non_blocking=True)
+# Checks kept for gradient sets seen only in eager steps (a graph's checks are never dropped).
+_MAX_EAGER_CHECKS = 8
 
 
 class NanGuard:
@@ -66,39 +46,52 @@ class NanGuard:
         self.device = device
         # Allocated here, outside any graph pool, so every graph and eager step writes the same memory.
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        self.grad_sum = torch.zeros(len(self.params), dtype=torch.float32, device=device)
+        self.grad_bad = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
-        self._plans: dict[tuple[int, ...], _Plan] = {}
+        self._step_bad = torch.zeros((), dtype=torch.float32, device=device)
+        # One check per set of gradient tensors (their addresses): graphs that own their gradients have
+        # their own. Checks a graph launched stay (the graph reads their tables); eager-only ones are bounded.
+        self._checks: dict[tuple[tuple[int, int], ...], FiniteCheck] = {}
+        self._in_graph: set[tuple[tuple[int, int], ...]] = set()
 
     def observe_loss(self, loss: Tensor) -> None:
         """Add the loss into the accumulator (one kernel; safe inside capture)."""
         self.loss_sum.add_(loss.detach().reshape(()))
 
     def observe_grads(self, found_inf: Optional[Tensor] = None) -> None:
-        """Add every gradient's max |g| into its slot (``mode="full"``; device ops only).
+        """Add each gradient's number of NaN/Inf elements into its slot (``mode="full"``; device ops only).
 
         If ``found_inf`` is given (``nan_action="skip"``) it is set to 1.0 when any gradient is
         non-finite, so that a fused optimizer skips this update on the device.
         """
         if self.mode != "full" and found_inf is None:
             return
-        params = self.params
-        present = tuple(i for i, p in enumerate(params) if p.grad is not None)
-        if not present:
+        grads = [p.grad for p in self.params]
+        key = tuple((i, g.data_ptr()) for i, g in enumerate(grads) if g is not None)
+        if not key:
             return
-        plan = self._plans.get(present)
-        if plan is None:
-            plan = self._plans[present] = _Plan(params, present, self.device)
-        parts = [torch.stack(foreach_max_abs([params[i].grad for i in ids])) for ids in plan.groups]
-        vals = parts[0] if len(parts) == 1 else torch.cat([p.float() for p in parts])
-        if plan.index is None:
-            self.grad_sum.add_(vals)
-        else:
-            self.grad_sum.index_add_(0, plan.index, vals.float())
-        if found_inf is not None:
-            bad = torch.isfinite(vals.sum()).logical_not_()
-            found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
-            self.skipped.add_(bad)
+        check = self._checks.get(key)
+        in_capture = capturing(self.device)
+        if check is None:
+            if not in_capture and len(self._checks) - len(self._in_graph) >= _MAX_EAGER_CHECKS:
+                # Eager steps that re-allocate gradients (zero_grad(set_to_none=True)) may see new addresses.
+                old = next(k for k in self._checks if k not in self._in_graph)
+                del self._checks[old]
+            check = self._checks[key] = FiniteCheck([grads[i] for i, _ in key], [i for i, _ in key])
+        if in_capture:
+            self._in_graph.add(key)
+        if found_inf is None:
+            check.run(self.grad_bad)
+            return
+        self._step_bad.zero_()
+        check.run(self.grad_bad, self._step_bad)
+        bad = self._step_bad > 0
+        found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
+        self.skipped.add_(bad)
+
+    def state_tensors(self) -> list[Tensor]:
+        """The accumulators (a verification run restores them: the Triton kernel bypasses torch's dispatcher)."""
+        return [self.loss_sum, self.grad_bad, self.skipped, self._step_bad]
 
     # -- host side ---------------------------------------------------------------------------
     def check(self, raise_on_bad: bool = True, window: str = "") -> Optional[str]:
@@ -107,7 +100,7 @@ class NanGuard:
         Returns ``None`` when everything was finite. With ``raise_on_bad=False`` (skip mode) the
         report is returned and the accumulators are cleared.
         """
-        ok = torch.isfinite(torch.cat([self.loss_sum.reshape(1), self.grad_sum])).cpu()
+        ok = torch.cat([torch.isfinite(self.loss_sum).reshape(1), self.grad_bad == 0]).cpu()
         if bool(ok.all()):
             self.reset()
             return None
@@ -138,4 +131,4 @@ class NanGuard:
 
     def reset(self) -> None:
         self.loss_sum.zero_()
-        self.grad_sum.zero_()
+        self.grad_bad.zero_()

@@ -28,24 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.finite import triton_available
+
 __all__ = ["MultiTranspose", "plan_tiles", "triton_available"]
 
 # Tile (rows x columns of the source, in bytes) and warps per program: the fastest of 10 tile shapes x
 # 1/2/4/8 warps on an H200 for the small and medium presets' weights (1.7 TB/s; 64x64 with 4 warps: 1.5 TB/s).
 BLOCK_M, BLOCK_K, NUM_WARPS = 32, 64, 1
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """True when a CUDA device is visible and Triton imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a Triton that does not match this torch
-        return False
-    return True
 
 
 def plan_tiles(

@@ -58,7 +58,13 @@ class CudaGraphCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return _compat.callback_state_key(self, warmup_steps=self.config.warmup_steps, max_graphs=self.config.max_graphs)
+        # Lightning reads this around every hook call (twice per step); the options it names never change.
+        key = self.__dict__.get("_state_key")
+        if key is None:
+            key = self.__dict__["_state_key"] = _compat.callback_state_key(
+                self, warmup_steps=self.config.warmup_steps, max_graphs=self.config.max_graphs
+            )
+        return key
 
     def register_generator(self, generator: torch.Generator) -> None:
         """Make an extra CUDA ``torch.Generator`` used inside the step graph-safe (torch >= 2.5)."""

@@ -81,6 +81,7 @@ class LightningStepRunner:
         self._undo_route: Optional[Callable[[], None]] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._hooks: list[Any] = []
+        self._mutable: list[Callable[[], list[Tensor]]] = []
         self._steps = 0
         self._grads: list[tuple[Tensor, Tensor]] = []
         self._last_delta: Optional[_compat.ProgressDelta] = None
@@ -164,9 +165,12 @@ class LightningStepRunner:
             backend=self.backend,
             watched_fn=lambda: _watched(pl_module),
         )
-        # verify_steps restores what the eager half wrote; module buffers (BatchNorm statistics) are listed
-        # explicitly because some kernels' schemas do not mark them as written.
-        self.engine.mutable_fn = lambda: list(pl_module.buffers())
+        # verify_steps restores what the eager half wrote; module buffers (BatchNorm statistics) and the NaN
+        # guard's accumulators (written by a Triton kernel) are listed because the dispatcher does not see them.
+        self._mutable = [lambda: list(pl_module.buffers())]
+        if self.guard is not None:
+            self._mutable.append(self.guard.state_tensors)
+        self.engine.mutable_fn = lambda: [t for fn in self._mutable for t in fn()]
         self.engine.guards.append(self._hyperparam_guard)
         self.engine.after_replay = self._after_replay
         self.engine.on_capture = self._on_capture
@@ -225,7 +229,7 @@ class LightningStepRunner:
         engine.capture_contexts.append(lambda: FirstMicrobatchCheck(pl_module))
         engine.post_capture_checks.append(lambda: check_delayed_scaling_registered(pl_module))
         # TE updates its FP8 scaling state in its own kernels: verify_steps must snapshot it explicitly.
-        engine.mutable_fn = lambda: list(pl_module.buffers()) + te.fp8_scaling_state(pl_module)
+        self._mutable.append(lambda: te.fp8_scaling_state(pl_module))
 
     def unbind(self) -> None:
         """Undo everything :meth:`bind` changed (also after an exception)."""

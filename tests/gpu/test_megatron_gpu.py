@@ -2,19 +2,32 @@
 
 Each arm runs in its own process (megatron-core keeps its CUDA-graph state in globals and class attributes, so
 per-layer and whole-iteration graphs cannot share a process). With ``MEGATRON_BED_RECORDS=<dir>`` the test reads the
-records ``benchmarks/megatron_session.sh`` has just written instead of running the arms again (30 steps each).
+records ``benchmarks/megatron_session.sh`` has just written instead of running the arms again; an arm without a
+record there (the other arm set, or skipped for the session's budget) skips the tests that read it. Without it the
+test runs the arms of ``MEGATRON_BED_SET`` (``default``, ``bf16layer`` or ``all``, the default; 30 steps each).
 
-Asserted:
+Two arm sets, each compared within its configuration group (``megatron_bed.compare``: an arm against the eager arm
+of the same precision / weights / steps, with that group's second eager arm as the noise floor):
+
+* default (FP8 primary weights): ``eager_a``, ``eager_b``, ``layer``, ``full``, the forced-sync arms, ``seed000_*``.
+  megatron-core 0.16.1's per-layer graphs fail there at the first replay (``cuda_graphs.py:587``, a
+  ``Float8Tensor`` parameter copied onto itself); ``with_cuda_graph`` refuses that config, and the per-layer arms
+  of this set are expected failures while that exact crash is what they record.
+* ``bf16layer``: ``np_*`` (FP8 hybrid compute, bf16 primary weights) and ``bf_*`` (bf16), where per-layer graphs run.
+
+Asserted, per set where its records are present:
 1. per-layer graphs (the NeMo flag's fields, applied by ``apply_megatron_graph_fields``): megatron-core captured a
-   forward and a backward graph per layer, and the losses equal eager's (bitwise, or within eager-vs-eager noise);
+   forward and a backward graph per layer, and the losses equal the group's eager ones (bitwise, or within the
+   group's eager-vs-eager noise);
 2. the whole-iteration graph (``full_iteration_forward_backward``): one graph captured, no per-layer graph, losses
    equal eager's;
-3. FP8 primary weights with the overlapped all-gather: no stale transpose at the checked steps in any of the three;
+3. FP8 primary weights with the overlapped all-gather: no stale transpose at the checked steps (default set);
 4. the forced-sync gap: a forced parameter all-gather (NeMo's checkpoint save) leaves the next step's transposes
    stale (megatron-core 0.16.1 rebuilds nothing there), and the completion-path refresh removes that;
 5. seed 000 (Megatron-LM #1279): with TE's fused wgrad accumulation and its placeholder wgrads poisoned with NaN,
-   no arm above has a NaN gradient (no double add); with megatron-core's restore of ``grad_added_to_main_grad``
-   removed the per-layer arm does (the mechanism), and the flag's decision (fusion off) keeps it finite.
+   no eager / per-layer / whole-iteration arm has a NaN gradient (no double add); with megatron-core's restore of
+   ``grad_added_to_main_grad`` removed the per-layer arm does (the mechanism), and the flag's decision (fusion off)
+   keeps it finite and close to eager.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import megatron_bed  # noqa: E402
 
 ARMS = {
+    # default set: FP8 primary weights
     "eager_a": ["--mode", "eager", "--verify-every", "10", "--param-gather-refresh"],
     "eager_b": ["--mode", "eager", "--verify-every", "10", "--param-gather-refresh"],
     "layer": ["--mode", "layer", "--verify-every", "10", "--param-gather-refresh"],
@@ -52,56 +66,112 @@ ARMS = {
                          "--param-gather-refresh"],
     "seed000_break": ["--mode", "layer", "--verify-every", "0", "--break-grad-added"],
     "seed000_guard": ["--mode", "layer", "--verify-every", "0", "--break-grad-added", "--guard-fused-wgrad"],
+    # bf16layer set: FP8 hybrid compute with bf16 primary weights (np_), bf16 (bf_)
+    "np_eager_a": ["--mode", "eager", "--no-fp8-params", "--verify-every", "0"],
+    "np_eager_b": ["--mode", "eager", "--no-fp8-params", "--verify-every", "0"],
+    "np_layer": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0"],
+    "np_full": ["--mode", "full", "--no-fp8-params", "--verify-every", "0"],
+    "np_seed000_break": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0", "--break-grad-added"],
+    "np_seed000_guard": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0", "--break-grad-added",
+                         "--guard-fused-wgrad"],
+    "bf_eager_a": ["--mode", "eager", "--fp8", "none", "--verify-every", "0"],
+    "bf_eager_b": ["--mode", "eager", "--fp8", "none", "--verify-every", "0"],
+    "bf_layer": ["--mode", "layer", "--fp8", "none", "--verify-every", "0"],
+    "bf_full": ["--mode", "full", "--fp8", "none", "--verify-every", "0"],
+    "bf_seed000_break": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--break-grad-added"],
+    "bf_seed000_guard": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--break-grad-added",
+                         "--guard-fused-wgrad"],
 }
+SETS = {"default": [t for t in ARMS if t[:3] not in ("np_", "bf_")],
+        "bf16layer": [t for t in ARMS if t[:3] in ("np_", "bf_")]}
+GIVEN = os.environ.get("MEGATRON_BED_RECORDS")
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    given = os.environ.get("MEGATRON_BED_RECORDS")
     out = {}
-    folder = given or str(tmp_path_factory.mktemp("megatron_bed"))
-    for tag, args in ARMS.items():
+    folder = GIVEN or str(tmp_path_factory.mktemp("megatron_bed"))
+    which = os.environ.get("MEGATRON_BED_SET", "all")
+    tags = list(ARMS) if GIVEN or which == "all" else SETS[which]
+    for tag in tags:
         path = os.path.join(folder, f"{tag}.json")
-        if not given:
-            cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "megatron_bed.py"), *args, "--steps", "30",
+        if not GIVEN:
+            cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "megatron_bed.py"), *ARMS[tag], "--steps", "30",
                    "--tag", tag, "--out", path]
             subprocess.run(cmd, cwd=ROOT, timeout=240, check=False)
         if os.path.exists(path):
             with open(path) as f:
                 out[tag] = json.load(f)
+    out["_ran"] = tags
     return out
 
 
-def _get(records, tag):
+def _present(records, tag):
+    """The record of ``tag``; an arm this session did not run (or ran out of budget for) skips the test."""
     if tag not in records:
+        if GIVEN or tag not in records["_ran"]:
+            pytest.skip(f"no record of arm {tag} in this run (another arm set, or skipped for the session's budget)")
         pytest.fail(f"arm {tag} wrote no record (see the session log for its output)")
-    rec = records[tag]
+    return records[tag]
+
+
+def _known_fp8_param_crash(rec):
+    """megatron-core 0.16.1's per-layer replay on FP8 primary weights (cuda_graphs.py:587); the flag refuses it."""
+    return (rec["mode"] == "layer" and rec["config"].get("fp8_params") and rec.get("error")
+            and "cudagraph_input.copy_(user_input)" in (rec.get("traceback") or ""))
+
+
+def _get(records, tag):
+    rec = _present(records, tag)
+    if _known_fp8_param_crash(rec):
+        pytest.xfail(f"{tag}: per-layer graphs on FP8 primary weights fail in megatron-core "
+                     f"(cuda_graphs.py:587, {rec['error'].splitlines()[0]}); with_cuda_graph refuses this config")
     assert rec["error"] is None, f"arm {tag} failed: {rec['error']}\n{rec.get('traceback', '')[-3000:]}"
     return rec
 
 
 def _row(records, tag):
-    summary = megatron_bed.compare([_get(records, "eager_a"), _get(records, "eager_b"), _get(records, tag)])
-    return next(r for r in summary["rows"] if r["tag"] == tag), summary
+    """``tag``'s row of the report over every record present (each arm against its own group's eager arm)."""
+    _get(records, (tag[:3] if tag[:3] in ("np_", "bf_") else "") + "eager_a")  # its set's reference ran cleanly
+    summary = megatron_bed.compare([r for t, r in records.items() if t != "_ran"])
+    row = next(r for r in summary["rows"] if r["tag"] == tag)
+    group = next(g for g in summary["groups"] if g["name"] == row["group"])
+    assert row["reference"] is not None, f"{tag}: no eager arm of the same configuration ({group['label']})"
+    return row, group
 
 
-def test_per_layer_graphs_captured_and_equal_to_eager(records):
-    rec = _get(records, "layer")
+# megatron-core 0.16.1's per-layer graphs were measured NOT bitwise to eager (docs/gpu-evidence/2026-12-03-megatron-
+# per-layer.md: gradient norms differ from the first captured step, loss max |Δ| 0.027 over 120 steps); the flag warns
+# (megatron.per_layer_parity_note). This test holds what was measured: graphs captured, warm-up steps bitwise, no
+# non-finite value, every step's loss within 5 % of eager's (a double-counted or skipped gradient leaves that band).
+PER_LAYER_LOSS_RTOL = 0.05
+
+
+@pytest.mark.parametrize("tag", ["layer", "np_layer", "bf_layer"])
+def test_per_layer_graphs_captured_and_close_to_eager(records, tag):
+    rec = _get(records, tag)
     layers = rec["config"]["layers"]
     assert rec["flag"]["changes"], "the flag's fields were not applied"
     g = rec["graphs"]
     assert g["layer_fwd_graphs"] >= layers and g["layer_bwd_graphs"] >= layers, g
     assert g["full_iteration_graphs"] == 0
-    row, summary = _row(records, "layer")
-    assert row["verdict"] in ("bitwise", "within eager noise"), (row, summary["noise"])
+    row, group = _row(records, tag)
+    assert row["verdict"] != "NaN", (row, group)
+    ref = records[row["reference"]]["losses"]
+    warm = rec["config"]["warmup_steps"]
+    assert rec["losses"][:warm] == ref[:warm], "the eager warm-up steps must be bitwise"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref))
+    print(f"\nPER-LAYER {tag}: verdict {row['verdict']}, loss max rel diff {rel:.3g} over {len(ref)} steps")
+    assert rel <= PER_LAYER_LOSS_RTOL, (rel, row)
 
 
-def test_full_iteration_graph_captured_and_equal_to_eager(records):
-    rec = _get(records, "full")
+@pytest.mark.parametrize("tag", ["full", "np_full", "bf_full"])
+def test_full_iteration_graph_captured_and_equal_to_eager(records, tag):
+    rec = _get(records, tag)
     g = rec["graphs"]
     assert g["full_iteration_graphs"] == 1 and g["layer_fwd_graphs"] == 0, g
-    row, summary = _row(records, "full")
-    assert row["verdict"] in ("bitwise", "within eager noise"), (row, summary["noise"])
+    row, group = _row(records, tag)
+    assert row["verdict"] in ("bitwise", "within eager noise"), (row, group)
 
 
 @pytest.mark.parametrize("tag", ["eager_a", "layer", "full"])
@@ -123,21 +193,29 @@ def test_forced_sync_leaves_stale_transposes_and_the_completion_refresh_fixes_it
     assert fixed["param_gather_refresh"]["refreshed"].get("forced", 0) > 0
 
 
-def test_seed000_no_double_count_under_graphs_and_the_mechanism(records):
-    for tag in ("eager_a", "layer", "full"):
-        rec = _get(records, tag)
+@pytest.mark.parametrize("prefix", ["", "np_", "bf_"], ids=["fp8_params", "np", "bf"])
+def test_seed000_no_double_count_under_graphs_and_the_mechanism(records, prefix):
+    seen = [t for t in ("eager_a", "layer", "full") if prefix + t in records]
+    if not seen and prefix + "seed000_break" not in records:
+        _present(records, prefix + "seed000_break")
+    for tag in seen:  # the real megatron-core: fused wgrad on, placeholders poisoned, no NaN
+        rec = records[prefix + tag]
+        if rec.get("error"):
+            continue  # its own test reports it
         assert rec["gradient_accumulation_fusion"] is True and rec["config"]["poison_placeholder"]
-        assert rec["summary"]["nonfinite_grad_norms"] == 0, (tag, rec["grad_norms"][:10])
-    if "seed000_break" not in records:
-        pytest.fail("arm seed000_break wrote no record")
-    broken = records["seed000_break"]  # may also end in an error once NaN reaches the FP8 cast: the NaN came first
+        assert rec["summary"]["nonfinite_grad_norms"] == 0, (prefix + tag, rec["grad_norms"][:10])
+    broken = _present(records, prefix + "seed000_break")
+    if _known_fp8_param_crash(broken):
+        pytest.xfail(f"{prefix}seed000_break: per-layer graphs on FP8 primary weights fail first (cuda_graphs.py:587)")
+    # It may also end in an error once NaN reaches a later step: the NaN came first.
     assert broken["gradient_accumulation_fusion"] is True, broken.get("error")
     assert broken["summary"]["nonfinite_grad_norms"] > 0, (
         f"removing the restore did not double-add the placeholder (error: {broken.get('error')})")
-    guarded = _get(records, "seed000_guard")
+    guarded = _get(records, prefix + "seed000_guard")
     assert guarded["gradient_accumulation_fusion"] is False  # the flag's decision for such a megatron-core
+    assert guarded["graphs"]["layer_fwd_graphs"] > 0, guarded["graphs"]
     assert guarded["summary"]["nonfinite_grad_norms"] == 0
-    ref = _get(records, "eager_a")["losses"]
-    n = len(guarded["losses"])
-    rel = max(abs(a - b) / abs(b) for a, b in zip(guarded["losses"], ref[:n]))
+    row, _group = _row(records, prefix + "seed000_guard")
+    ref = records[row["reference"]]["losses"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(guarded["losses"], ref))
     assert math.isfinite(rel) and rel < 0.05, rel  # unfused accumulation: close to eager, not bitwise

@@ -1,0 +1,196 @@
+"""Count the non-finite elements of many tensors in one kernel launch (the NaN guard's gradient check).
+
+Why: the guard reads every gradient once per step. ``torch._foreach_norm(grads, inf)`` does that in one
+launch per ~100 tensors plus a clean-up kernel per launch and a ``stack``; on an H200 it ran at about
+1.9 TB/s on the small GPT preset's 148 gradients (91 us, 3.6 % of the step with its follow-up kernels).
+This kernel walks every ``(tensor, chunk)`` of one dtype in a single launch, reads each element once at
+streaming bandwidth and adds, per tensor, the number of NaN/Inf elements it found into a slot of a device
+accumulator. Finite chunks write nothing (no atomics in the common case).
+
+Metadata: one int64 table per set of tensors (their addresses, sizes, first program and accumulator slot,
+and each program's tensor), built on the host once per set and copied to the device from pinned memory without
+a host sync. A :class:`FiniteCheck` must live as long as any graph that launched it (the graph reads its table,
+and a check built during a capture — gradients the graph allocates itself — holds the pinned source of the
+copy node that refills the table on every replay). Allocating the table during the capture and filling it
+once afterwards faulted (illegal address, docs/gpu-evidence/2026-12-03-nan-guard.md): memory handed out
+during a capture may be memory that tensors freed earlier in the same capture used, which the graph's earlier
+kernels write again on every replay. Only a write inside the graph, ordered after them, survives: hence the node.
+
+Without Triton, on the CPU, or for tensors that are not contiguous and 16-byte aligned, :meth:`FiniteCheck.run` does the same with
+``torch._foreach_norm(inf)`` (one multi-tensor reduction per dtype) and an ``index_add_``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ._torch_compat import foreach_max_abs
+
+__all__ = ["FiniteCheck", "capturing", "triton_available", "BLOCK", "ITERS", "NUM_WARPS"]
+
+# Elements per load (BLOCK), loads per program (ITERS), warps per program: the fastest of the shapes tried on
+# an H200 for the small preset's gradients (benchmarks/nan_guard.py prints the sweep).
+BLOCK, ITERS, NUM_WARPS = 2048, 8, 8
+# Widened to float32 exactly (so Inf/NaN keep their exponent bits); float64 would overflow to Inf: fallback.
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when a CUDA device is visible and Triton imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a Triton that does not match this torch
+        return False
+    return True
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (never on a CPU device)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # Not specialised on the tensor count: a capture must never meet a new variant of the kernel (compiling
+    # and loading a module while a graph captures); the eager warm-up compiled the one the run uses.
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def count_nonfinite_kernel(
+        table, n_tensors, acc, step_acc, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr, HAS_STEP: tl.constexpr,
+    ):
+        # table (int64): n_tensors addresses, numels, first programs, accumulator slots; then each program's tensor.
+        pid = tl.program_id(0)
+        t = tl.load(table + 4 * n_tensors + pid)
+        numel = tl.load(table + n_tensors + t)
+        # The address as a pointer to this group's dtype; 16-byte aligned (FiniteCheck admits only such
+        # tensors), which with a whole chunk in range lets the loads below be 16-byte vector loads.
+        base = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+        start = (pid - tl.load(table + 2 * n_tensors + t)) * (BLOCK * ITERS)  # int64: tensors may exceed 2**31
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        if start + BLOCK * ITERS <= numel:  # a whole chunk: no mask (a mask of unknown alignment splits vectors)
+            for i in tl.static_range(ITERS):
+                x = tl.load(base + (start + i * BLOCK + tl.arange(0, BLOCK))).to(tl.float32)
+                # NaN/Inf <=> all exponent bits set: a bit test, not a float comparison a compiler may fold away.
+                bad += ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+        else:  # the tensor's last, partial chunk
+            for i in tl.static_range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=offs < numel, other=0.0).to(tl.float32)
+                bad += ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+        n_bad = tl.sum(bad, axis=0).to(tl.float32)
+        slot = tl.load(table + 3 * n_tensors + t)
+        tl.atomic_add(acc + slot, n_bad, mask=n_bad > 0)
+        if HAS_STEP:
+            tl.atomic_add(step_acc, n_bad, mask=n_bad > 0)
+
+    return count_nonfinite_kernel
+
+
+class _Launch:
+    """One dtype group of tensors checked by the Triton kernel."""
+
+    __slots__ = ("host", "table", "n", "grid", "ref")
+
+    def __init__(self, tensors: list[Tensor], slots: list[int], per_program: int) -> None:
+        rows: list[list[int]] = [[], [], [], [], []]
+        for j, (t, s) in enumerate(zip(tensors, slots)):
+            rows[0].append(t.data_ptr())
+            rows[1].append(t.numel())
+            rows[2].append(len(rows[4]))
+            rows[3].append(s)
+            rows[4].extend([j] * -(-t.numel() // per_program))
+        self.n = len(tensors)
+        self.grid = (len(rows[4]),)
+        host = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
+        self.host = host.pin_memory() if tensors[0].device.type == "cuda" else host
+        self.ref = tensors[0]  # its dtype selects the kernel's pointer type (never read through)
+        # Pinned + non_blocking: no host sync (this may run in a sync-checked step). Inside a capture this copy
+        # is a graph node re-run by every replay; the pinned source stays alive with this object.
+        self.table = self.host.to(tensors[0].device, non_blocking=True)
+
+
+class FiniteCheck:
+    """Per-tensor count of non-finite elements, added into ``acc[slots[i]]``; build once per tensor set.
+
+    Args:
+        tensors: the tensors to check (their current memory: the check reads these addresses).
+        slots: for each tensor, its slot in the accumulator passed to :meth:`run`.
+        use_triton: ``None`` picks Triton on CUDA when it imports; ``False`` forces the
+            ``_foreach_norm`` path (what runs on the CPU).
+        block, iters, num_warps: elements per load, loads per program, warps per program.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        slots: Sequence[int],
+        *,
+        use_triton: Optional[bool] = None,
+        block: int = BLOCK,
+        iters: int = ITERS,
+        num_warps: int = NUM_WARPS,
+    ) -> None:
+        if len(tensors) != len(slots) or not tensors:
+            raise ValueError("FiniteCheck needs one slot per tensor and at least one tensor")
+        if block < 16 or block & (block - 1) or iters < 1:
+            raise ValueError(f"FiniteCheck(block={block}, iters={iters}): block must be a power of two >= 16, iters >= 1")
+        self.block, self.iters, self.num_warps = block, iters, num_warps
+        device = tensors[0].device
+        want = triton_available() if use_triton is None else use_triton
+        fused = bool(want and device.type == "cuda")
+        groups: dict[torch.dtype, list[int]] = {}
+        rest: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            ok = fused and t.dtype in _FUSED_DTYPES and t.is_contiguous() and t.numel() > 0 and t.data_ptr() % 16 == 0
+            (groups if ok else rest).setdefault(t.dtype, []).append(i)
+        self.launches = [
+            _Launch([tensors[i] for i in ids], [slots[i] for i in ids], block * iters) for ids in groups.values()
+        ]
+        self._fallback: list[tuple[list[Tensor], Optional[Tensor], Optional[Tensor]]] = []
+        for ids in rest.values():
+            ts = [tensors[i] for i in ids]
+            slot_ids = [slots[i] for i in ids]
+            host = None
+            index = None
+            if slot_ids != list(range(len(slot_ids))):
+                # Copied from pinned memory without a host sync (safe inside a sync-checked step); inside a
+                # capture the copy is a graph node, so the index never depends on memory a later graph reuses.
+                host = torch.tensor(slot_ids, dtype=torch.long)
+                if device.type == "cuda":
+                    host = host.pin_memory()
+                index = host.to(device, non_blocking=True)
+            self._fallback.append((ts, index, host))
+        self.uses_triton = bool(self.launches)
+
+    def run(self, acc: Tensor, step_acc: Optional[Tensor] = None) -> None:
+        """Add each tensor's non-finite count into ``acc`` (float32); also their total into ``step_acc``.
+
+        Device work only (one launch per dtype with Triton): safe inside a capture and a sync-checked step.
+        """
+        kernel = _kernel() if self.launches else None
+        for launch in self.launches:
+            kernel[launch.grid](
+                launch.table, launch.n, acc, step_acc if step_acc is not None else acc, launch.ref,
+                BLOCK=self.block, ITERS=self.iters, HAS_STEP=step_acc is not None,
+                num_warps=self.num_warps,
+            )
+        for tensors, index, _ in self._fallback:
+            vals = torch.stack(foreach_max_abs(tensors))
+            bad = torch.isfinite(vals).logical_not_().to(acc.dtype)
+            if index is None:
+                acc[: len(tensors)].add_(bad)
+            else:
+                acc.index_add_(0, index, bad)
+            if step_acc is not None:
+                step_acc.add_(bad.sum())

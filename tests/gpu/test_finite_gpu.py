@@ -1,0 +1,150 @@
+"""The NaN guard's one-launch finite check (``core/finite.py``) on a real GPU, against a plain torch count.
+
+Every case compares the Triton kernel with ``(~torch.isfinite(t)).sum()`` per tensor: exact counts, the right slots,
+nothing flagged for finite extremes, non-finite values at chunk edges and in the last element, in a CUDA graph whose
+tensors the graph allocates itself, and through ``NanGuard`` end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_cudagraph_plugin.core import finite
+from nemo_cudagraph_plugin.core.finite import FiniteCheck, triton_available
+from nemo_cudagraph_plugin.core.nan_guard import NanGuard
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs CUDA and Triton")
+
+DEV = torch.device("cuda")
+PER_PROGRAM = finite.BLOCK * finite.ITERS
+
+
+def _reference(tensors, slots, n_slots):
+    ref = torch.zeros(n_slots, dtype=torch.float32)
+    for t, s in zip(tensors, slots):
+        ref[s] += float((~torch.isfinite(t.float())).sum())
+    return ref
+
+
+def _tensors(dtype, gen):
+    sizes = [1, 7, 768, PER_PROGRAM - 1, PER_PROGRAM, PER_PROGRAM + 1, 3 * PER_PROGRAM + 5, 1 << 20]
+    return [torch.randn(n, generator=gen, device=DEV).to(dtype) for n in sizes]
+
+
+def _poison(tensors, gen):
+    """NaN/+Inf/-Inf at the first and last element, at chunk and block edges, and at random places."""
+    specials = [float("nan"), float("inf"), float("-inf")]
+    for j, t in enumerate(tensors):
+        n = t.numel()
+        if j % 3 == 0:
+            continue  # some tensors stay finite
+        places = {0, n - 1, min(n - 1, finite.BLOCK), min(n - 1, PER_PROGRAM), min(n - 1, PER_PROGRAM - 1)}
+        places |= set(torch.randint(0, n, (5,), generator=torch.Generator().manual_seed(j)).tolist())
+        for k, i in enumerate(sorted(places)):
+            t[i] = specials[k % 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_counts_equal_torch_per_tensor_and_slot(dtype):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ts = _tensors(dtype, gen)
+    _poison(ts, gen)
+    slots = [7, 3, 0, 5, 1, 6, 2, 4]  # not in order
+    check = FiniteCheck(ts, slots)
+    assert check.uses_triton and len(check.launches) == 1
+    acc = torch.zeros(8, device=DEV)
+    step = torch.zeros((), device=DEV)
+    check.run(acc, step)
+    ref = _reference(ts, slots, 8)
+    assert torch.equal(acc.cpu(), ref), (acc.cpu(), ref)
+    assert float(step) == float(ref.sum()) > 0
+    check.run(acc)  # accumulates
+    assert torch.equal(acc.cpu(), 2 * ref)
+
+
+def test_finite_extremes_are_not_flagged():
+    ts = [
+        torch.full((1000,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16, device=DEV),
+        torch.full((1000,), -torch.finfo(torch.float16).max, dtype=torch.float16, device=DEV),
+        torch.full((1000,), torch.finfo(torch.float32).tiny / 4, dtype=torch.float32, device=DEV),  # subnormal
+        torch.zeros(1000, dtype=torch.float32, device=DEV).neg_(),  # -0.0
+    ]
+    acc = torch.zeros(4, device=DEV)
+    FiniteCheck(ts, [0, 1, 2, 3]).run(acc)
+    assert acc.abs().sum().item() == 0
+
+
+def test_mixed_dtypes_and_non_contiguous_tensors_take_their_own_paths():
+    a = torch.randn(300, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(40, 50, device=DEV).t()  # non-contiguous: the _foreach_norm fallback
+    c = torch.randn(1000, device=DEV)
+    a[17] = float("nan")
+    b[3, 4] = float("inf")
+    c[999] = float("-inf")
+    check = FiniteCheck([a, b, c], [2, 0, 1])
+    assert len(check.launches) == 2 and len(check._fallback) == 1
+    acc = torch.zeros(3, device=DEV)
+    check.run(acc)
+    assert acc.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_in_a_graph_that_allocates_the_tensors_the_graph_copies_the_table_in():
+    """Owned gradients: allocated inside the capture; the check built there is refilled by the graph's copy node."""
+    src = torch.randn(5000, device=DEV)
+    acc = torch.zeros(2, device=DEV)
+    guard_checks = []
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FiniteCheck([src * 1], [0]).run(acc)  # warm the kernel up (compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    acc.zero_()
+    with torch.cuda.graph(g, stream=s):
+        owned = src * 2  # graph pool memory
+        half = owned[:2500] + 0
+        check = FiniteCheck([owned, half], [0, 1])
+        guard_checks.append(check)
+        check.run(acc)
+    for k in range(3):
+        src.copy_(torch.randn(5000, device=DEV))
+        if k == 1:
+            src[10] = float("nan")
+            src[4000] = float("inf")
+        g.replay()
+    torch.cuda.synchronize()
+    assert acc.tolist() == [2.0, 1.0]  # the NaN replay: two in `owned`, one in `half`
+
+
+def test_nan_guard_in_a_graph_names_the_parameter_and_sets_found_inf():
+    ps = [torch.nn.Parameter(torch.zeros(n, device=DEV)) for n in (10, 70000, 33)]
+    guard = NanGuard([(f"p{i}", p) for i, p in enumerate(ps)], DEV, "full")
+    found = torch.zeros((), device=DEV)
+    x = torch.ones(70000, device=DEV)
+
+    def step():
+        for p in ps:
+            p.grad = None
+        for p in ps:
+            p.grad = x[: p.numel()] * 3  # a gradient the graph allocates
+        guard.observe_grads(found_inf=found)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        step()
+    guard.reset()
+    g.replay()
+    assert guard.check(raise_on_bad=False) is None and float(found) == 0.0
+    x[50000] = float("nan")
+    g.replay()
+    torch.cuda.synchronize()
+    assert float(found) == 1.0 and guard.skipped_steps() == 1
+    report = guard.check(raise_on_bad=False)
+    assert report is not None and "'p1'" in report and "p0" not in report and "p2" not in report, report
