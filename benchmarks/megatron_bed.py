@@ -635,7 +635,8 @@ def compare(records: list[dict[str, Any]], reference: Optional[str] = None,
     A group's reference is its first plain eager arm in the order given (``reference`` names a preferred tag), its
     noise arm the second one (``noise`` names a preferred tag); the noise arm's difference from the reference is
     that group's eager-vs-eager noise floor. Verdicts: ``bitwise`` (every loss and gradient norm identical),
-    ``within eager noise`` (max loss difference <= the group's eager-vs-eager one), else ``differs``; any
+    ``within eager noise`` (max loss difference and gradient-norm relative difference both <= the group's
+    eager-vs-eager ones), else ``differs``; any
     non-finite loss or gradient norm is ``NaN``; ``no eager ref`` where the group has no plain eager arm.
     """
     keys = [group_key(r) for r in records]
@@ -681,7 +682,10 @@ def compare(records: list[dict[str, Any]], reference: Optional[str] = None,
                 verdict = "NaN"
             elif ld["bitwise_steps"] == ld["steps"] and gd["bitwise_steps"] == gd["steps"]:
                 verdict = "bitwise"
-            elif ld["max_abs"] is not None and ld["max_abs"] <= floor:
+            elif (ld["max_abs"] is not None and ld["max_abs"] <= floor
+                  and (gd["max_rel"] or 0.0) <= (g["noise_grad_norm_max_rel"] or 0.0)):
+                # losses *and* gradient norms inside the eager-vs-eager spread (equal losses with different
+                # gradients are a different training run whose losses have not diverged yet)
                 verdict = "within eager noise"
             else:
                 verdict = "differs"

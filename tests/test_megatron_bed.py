@@ -78,6 +78,10 @@ def test_report_verdicts():
     s = bed.compare([a, b2, off, _rec("layer", [3.0, 2.5, 2.0003])])
     verdicts = {r["tag"]: r.get("verdict") for r in s["rows"]}
     assert verdicts["full"] == "within eager noise" and verdicts["layer"] == "differs"
+    # Losses equal but gradient norms outside the eager spread (0 here): a different run, not noise.
+    grads_off = _rec("layer", [3.0, 2.5, 2.0], grad_norms=[1.0, 1.0001, 1.0])
+    s2 = bed.compare([a, b2, grads_off])
+    assert {r["tag"]: r.get("verdict") for r in s2["rows"]}["layer"] == "differs"
     (group,) = s["groups"]  # hand-made records without a config: one group, BedConfig's defaults
     noise = group["noise"]
     assert math.isclose(noise["max_abs"], 0.0002, rel_tol=1e-6) and noise["bitwise_steps"] == 2
