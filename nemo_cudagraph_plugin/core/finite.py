@@ -8,13 +8,13 @@ streaming bandwidth and adds, per tensor, the number of NaN/Inf elements it foun
 accumulator. Finite chunks write nothing (no atomics in the common case).
 
 Metadata: one int64 table per set of tensors (their addresses, sizes, first program and accumulator slot,
-and each program's tensor), built on the host once per set and copied to the device from pinned memory without
-a host sync. A :class:`FiniteCheck` must live as long as any graph that launched it (the graph reads its table,
-and a check built during a capture — gradients the graph allocates itself — holds the pinned source of the
-copy node that refills the table on every replay). Allocating the table during the capture and filling it
-once afterwards faulted (illegal address, docs/gpu-evidence/2026-12-03-nan-guard.md): memory handed out
-during a capture may be memory that tensors freed earlier in the same capture used, which the graph's earlier
-kernels write again on every replay. Only a write inside the graph, ordered after them, survives: hence the node.
+and each program's tensor), built on the host once per set. A :class:`FiniteCheck` must live as long as any graph
+that launched it (the graph reads its table). A check built during a capture (gradients the graph allocates
+itself) needs its table in memory that no node of the graph writes. Memory handed out *during* a capture may have
+belonged to a tensor freed earlier in the same capture, whose kernels the graph replays: a table allocated there
+and filled once afterwards is overwritten on every replay (it faulted: docs/gpu-evidence/2026-12-03-nan-guard.md).
+So such a check takes a ``table`` allocated before the capture and :meth:`FiniteCheck.fill` writes it after the
+capture; without one, the table is copied in by the graph (a host-to-device node on every replay).
 
 Without Triton, on the CPU, or for tensors that are not contiguous and 16-byte aligned, :meth:`FiniteCheck.run` does the same with
 ``torch._foreach_norm(inf)`` (one multi-tensor reduction per dtype) and an ``index_add_``.
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ._torch_compat import foreach_max_abs
 
-__all__ = ["FiniteCheck", "capturing", "triton_available", "BLOCK", "ITERS", "NUM_WARPS"]
+__all__ = ["FiniteCheck", "capturing", "table_length", "triton_available", "BLOCK", "ITERS", "NUM_WARPS"]
 
 # Elements per load (BLOCK), loads per program (ITERS), warps per program: the fastest of the shapes tried on
 # an H200 for the small preset's gradients (benchmarks/nan_guard.py prints the sweep).
@@ -100,9 +100,9 @@ def _kernel() -> Any:
 class _Launch:
     """One dtype group of tensors checked by the Triton kernel."""
 
-    __slots__ = ("host", "table", "n", "grid", "ref")
+    __slots__ = ("host", "table", "n", "grid", "ref", "filled")
 
-    def __init__(self, tensors: list[Tensor], slots: list[int], per_program: int) -> None:
+    def __init__(self, tensors: list[Tensor], slots: list[int], per_program: int, table: Optional[Tensor]) -> None:
         rows: list[list[int]] = [[], [], [], [], []]
         for j, (t, s) in enumerate(zip(tensors, slots)):
             rows[0].append(t.data_ptr())
@@ -115,9 +115,26 @@ class _Launch:
         host = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
         self.host = host.pin_memory() if tensors[0].device.type == "cuda" else host
         self.ref = tensors[0]  # its dtype selects the kernel's pointer type (never read through)
-        # Pinned + non_blocking: no host sync (this may run in a sync-checked step). Inside a capture this copy
-        # is a graph node re-run by every replay; the pinned source stays alive with this object.
-        self.table = self.host.to(tensors[0].device, non_blocking=True)
+        if table is not None:
+            # Memory allocated outside any capture (see the module docstring): written by fill(), after the capture.
+            self.table = table[: self.host.numel()]
+            self.filled = False
+        else:
+            # Pinned + non_blocking: no host sync (this may run in a sync-checked step). Inside a capture this copy
+            # is a graph node re-run by every replay; the pinned source stays alive with this object.
+            self.table = self.host.to(tensors[0].device, non_blocking=True)
+            self.filled = True
+
+    def fill(self) -> None:
+        if not self.filled:
+            self.table.copy_(self.host, non_blocking=True)
+            self.filled = True
+
+
+def table_length(numels: Sequence[int], block: int = BLOCK, iters: int = ITERS) -> int:
+    """int64 entries of the metadata of a check over tensors of these sizes (all in one group: an upper bound)."""
+    per_program = block * iters
+    return 4 * len(numels) + sum(-(-n // per_program) for n in numels)
 
 
 class FiniteCheck:
@@ -129,6 +146,10 @@ class FiniteCheck:
         use_triton: ``None`` picks Triton on CUDA when it imports; ``False`` forces the
             ``_foreach_norm`` path (what runs on the CPU).
         block, iters, num_warps: elements per load, loads per program, warps per program.
+        table: int64 device memory allocated *outside* any graph capture, at least :func:`table_length` long,
+            for a check built during a capture: its metadata then goes there and :meth:`fill` writes it after
+            the capture, before the first replay (the graph holds no copy node). Without it (or when too short)
+            the metadata is copied in by the graph.
     """
 
     def __init__(
@@ -140,6 +161,7 @@ class FiniteCheck:
         block: int = BLOCK,
         iters: int = ITERS,
         num_warps: int = NUM_WARPS,
+        table: Optional[Tensor] = None,
     ) -> None:
         if len(tensors) != len(slots) or not tensors:
             raise ValueError("FiniteCheck needs one slot per tensor and at least one tensor")
@@ -154,9 +176,13 @@ class FiniteCheck:
         for i, t in enumerate(tensors):
             ok = fused and t.dtype in _FUSED_DTYPES and t.is_contiguous() and t.numel() > 0 and t.data_ptr() % 16 == 0
             (groups if ok else rest).setdefault(t.dtype, []).append(i)
-        self.launches = [
-            _Launch([tensors[i] for i in ids], [slots[i] for i in ids], block * iters) for ids in groups.values()
-        ]
+        self.launches = []
+        offset = 0
+        for ids in groups.values():
+            need = table_length([tensors[i].numel() for i in ids], block, iters)
+            part = table[offset: offset + need] if table is not None and offset + need <= table.numel() else None
+            offset += need if part is not None else 0
+            self.launches.append(_Launch([tensors[i] for i in ids], [slots[i] for i in ids], block * iters, part))
         self._fallback: list[tuple[list[Tensor], Optional[Tensor], Optional[Tensor]]] = []
         for ids in rest.values():
             ts = [tensors[i] for i in ids]
@@ -173,11 +199,22 @@ class FiniteCheck:
             self._fallback.append((ts, index, host))
         self.uses_triton = bool(self.launches)
 
+    @property
+    def filled(self) -> bool:
+        return all(launch.filled for launch in self.launches)
+
+    def fill(self) -> None:
+        """Write the metadata of a check built during a capture into its ``table`` (after the capture)."""
+        for launch in self.launches:
+            launch.fill()
+
     def run(self, acc: Tensor, step_acc: Optional[Tensor] = None) -> None:
         """Add each tensor's non-finite count into ``acc`` (float32); also their total into ``step_acc``.
 
         Device work only (one launch per dtype with Triton): safe inside a capture and a sync-checked step.
         """
+        if not self.filled and not capturing(self.launches[0].table.device):
+            self.fill()  # used outside the capture it was built in: the copy runs first, in stream order
         kernel = _kernel() if self.launches else None
         for launch in self.launches:
             kernel[launch.grid](

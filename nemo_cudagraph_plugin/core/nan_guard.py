@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import NonFiniteError
-from .finite import FiniteCheck, capturing
+from .finite import FiniteCheck, capturing, table_length
 
 __all__ = ["NanGuard"]
 
@@ -53,6 +53,11 @@ class NanGuard:
         # their own. Checks a graph launched stay (the graph reads their tables); eager-only ones are bounded.
         self._checks: dict[tuple[tuple[int, int], ...], FiniteCheck] = {}
         self._in_graph: set[tuple[tuple[int, int], ...]] = set()
+        # Metadata memory for the next check built during a capture, allocated in an eager step (outside any graph
+        # pool; every capture follows an eager warm-up of its key) and written after that capture.
+        self._table_len = table_length([p.numel() for p in self.params])
+        self._spare: Optional[Tensor] = None
+        self._pending: list[FiniteCheck] = []
 
     def observe_loss(self, loss: Tensor) -> None:
         """Add the loss into the accumulator (one kernel; safe inside capture)."""
@@ -77,9 +82,15 @@ class NanGuard:
                 # Eager steps that re-allocate gradients (zero_grad(set_to_none=True)) may see new addresses.
                 old = next(k for k in self._checks if k not in self._in_graph)
                 del self._checks[old]
-            check = self._checks[key] = FiniteCheck([grads[i] for i, _ in key], [i for i, _ in key])
+            table = self._spare if in_capture else None
+            check = self._checks[key] = FiniteCheck([grads[i] for i, _ in key], [i for i, _ in key], table=table)
+            if table is not None:
+                self._spare = None
+                self._pending.append(check)
         if in_capture:
             self._in_graph.add(key)
+        elif self._spare is None and self.device.type == "cuda":
+            self._spare = torch.empty(self._table_len, dtype=torch.int64, device=self.device)
         if found_inf is None:
             check.run(self.grad_bad)
             return
@@ -88,6 +99,12 @@ class NanGuard:
         bad = self._step_bad > 0
         found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
         self.skipped.add_(bad)
+
+    def after_capture(self) -> None:
+        """Write the metadata of the checks built during the capture that just ended (before its first replay)."""
+        for check in self._pending:
+            check.fill()
+        self._pending.clear()
 
     def state_tensors(self) -> list[Tensor]:
         """The accumulators (a verification run restores them: the Triton kernel bypasses torch's dispatcher)."""

@@ -298,6 +298,8 @@ class LightningStepRunner:
         return out, values, token
 
     def _on_capture(self, entry: GraphEntry) -> None:
+        if self.guard is not None:
+            self.guard.after_capture()  # before the first replay
         entry.meta["progress"] = self._last_delta
         # The step's outputs are cloned per replay (a user may keep the loss); the logged values are
         # handed to Lightning at once, which copies them (StepLogs.emit), so they are not cloned.

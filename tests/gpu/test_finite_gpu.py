@@ -139,6 +139,7 @@ def test_nan_guard_in_a_graph_names_the_parameter_and_sets_found_inf():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         step()
+    guard.after_capture()  # as the runner does before the first replay
     guard.reset()
     g.replay()
     assert guard.check(raise_on_bad=False) is None and float(found) == 0.0
@@ -148,3 +149,44 @@ def test_nan_guard_in_a_graph_names_the_parameter_and_sets_found_inf():
     assert float(found) == 1.0 and guard.skipped_steps() == 1
     report = guard.check(raise_on_bad=False)
     assert report is not None and "'p1'" in report and "p0" not in report and "p2" not in report, report
+
+
+def test_check_built_in_a_capture_after_freed_temporaries_reads_its_own_table():
+    """Reproduce-first for the fault of 2026-12-03: during a capture, memory freed earlier in the same capture is
+    handed out again, and the graph's earlier kernels write it on every replay. A table allocated there and filled
+    after the capture is overwritten (illegal address); the guard's table comes from an eager step instead."""
+    ps = [torch.nn.Parameter(torch.zeros(n, device=DEV)) for n in (4096, 70000, 33)]
+    guard = NanGuard([(f"p{i}", p) for i, p in enumerate(ps)], DEV, "full")
+    x = torch.ones(70000, device=DEV)
+
+    def step():
+        for p in ps:
+            p.grad = None
+        junk = torch.empty(1 << 16, dtype=torch.int64, device=DEV)
+        junk.fill_(-1)  # a kernel on memory freed below: the graph rewrites it on every replay
+        del junk
+        for p in ps:
+            p.grad = x[: p.numel()] * 3
+        guard.observe_grads()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # eager: compiles the kernel and allocates the table memory the capture will use
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        step()
+    pending = list(guard._pending)
+    assert pending and not pending[0].filled  # its table is written after the capture: no copy node in the graph
+    guard.after_capture()
+    guard.reset()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert guard.check(raise_on_bad=False) is None
+    x[50000] = float("inf")
+    g.replay()
+    torch.cuda.synchronize()
+    report = guard.check(raise_on_bad=False)
+    assert report is not None and "'p1'" in report and "p0" not in report, report
