@@ -213,8 +213,13 @@ class FiniteCheck:
 
         Device work only (one launch per dtype with Triton): safe inside a capture and a sync-checked step.
         """
-        if not self.filled and not capturing(self.launches[0].table.device):
+        if self.launches and not capturing(self.launches[0].table.device):
             self.fill()  # used outside the capture it was built in: the copy runs first, in stream order
+            stream = torch.cuda.current_stream(self.launches[0].table.device)
+            for launch in self.launches:
+                # Used on a stream other than the one it was allocated on (warm-up side stream, main stream):
+                # an evicted eager check's table must not be handed out again before this kernel ran.
+                launch.table.record_stream(stream)
         kernel = _kernel() if self.launches else None
         for launch in self.launches:
             kernel[launch.grid](
