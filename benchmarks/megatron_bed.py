@@ -18,7 +18,10 @@ switches are not part of a group.
 
 Modes. ``eager``: no graph. ``layer``: the fields ``nemo_cudagraph_plugin.nemo.with_cuda_graph`` puts on a recipe's
 ``model.config``, applied by the same function (``apply_megatron_graph_fields``) to this ``TransformerConfig``:
-megatron-core captures and replays each transformer layer. ``full``: the same function with
+megatron-core captures and replays each transformer layer. Where the flag refuses per-layer graphs (megatron-core
+0.16.1, ``megatron.per_layer_refusal``: its default there is the whole iteration) the arm sets the per-layer fields as
+a user would by hand and its record keeps the reason (``flag.refused``); with ``--keep-graph-inputs`` the flag sees
+that hazard removed. ``full``: the same function with
 ``scope=["full_iteration"]`` plus ``nemo_cudagraph_plugin.megatron.full_iteration_forward_backward`` (megatron-core's
 ``FullCudaGraphWrapper``, what the flag's ``MegatronFullIterationGraph`` callback installs under NeMo).
 
@@ -177,21 +180,25 @@ def transformer_config(cfg: BedConfig) -> tuple[Any, dict[str, Any]]:
     )
     info: dict[str, Any] = {"changes": [], "notes": []}
     if cfg.mode != "eager":
-        capabilities: Any = "detect"
-        if cfg.guard_fused_wgrad:
+        from nemo_cudagraph_plugin.megatron import megatron_capabilities, per_layer_refusal
+
+        caps = megatron_capabilities()
+        if caps is not None and cfg.guard_fused_wgrad:
             # The decision sees a megatron-core whose replay does not restore grad_added_to_main_grad (what
             # --break-grad-added makes of this one).
-            from nemo_cudagraph_plugin.megatron import megatron_capabilities
-
-            caps = megatron_capabilities()
-            capabilities = dataclasses.replace(caps, replay_sets_grad_added_to_main_grad=False) if caps else None
-        setup = apply_megatron_graph_fields(
-            tc, impl="local", scope=["full_iteration"] if cfg.mode == "full" else None,
-            warmup_steps=cfg.warmup_steps, capabilities=capabilities,
-        )
+            caps = dataclasses.replace(caps, replay_sets_grad_added_to_main_grad=False)
+        if caps is not None and cfg.keep_graph_inputs:
+            caps = dataclasses.replace(caps, per_layer_input_buffer_reuse=False)  # what --keep-graph-inputs removes
+        refused = per_layer_refusal(caps) if cfg.mode == "layer" else None
+        if refused is not None:
+            # The flag does not give per-layer graphs on this megatron-core (its default is the whole iteration);
+            # the arm measures what a user who sets the per-layer fields by hand gets, and its record says so.
+            caps = dataclasses.replace(caps, per_layer_input_buffer_reuse=False)
+        setup = apply_megatron_graph_fields(tc, impl="local", scope=["full_iteration"] if cfg.mode == "full" else None,
+                                            warmup_steps=cfg.warmup_steps, capabilities=caps)
         tc.__post_init__()  # as NeMo's MegatronStrategy.connect() re-runs it: scope strings -> enums
         info = {"changes": [str(c) for c in setup.changes], "notes": setup.notes,
-                "full_iteration": setup.full_iteration}
+                "full_iteration": setup.full_iteration, "refused": refused}
     else:
         tc.use_te_rng_tracker = True  # the same RNG tracker in every arm, so eager and graphed draw alike
     return tc, info
@@ -780,6 +787,9 @@ def markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                                                               "align_every_step", "break_grad_added",
                                                               "guard_fused_wgrad", "keep_graph_inputs",
                                                               "grad_fingerprints")))
+        if flag.get("refused"):
+            lines.append(f"- the flag refuses per-layer graphs here; the arm set its fields as a user would by hand: "
+                     f"{flag['refused']}")
         for c in flag.get("changes", []):
             lines.append(f"- flag: `{c}`")
         for n in flag.get("notes", []):

@@ -313,7 +313,7 @@ class MegatronCapabilities:
             although TransformerEngine's layers save their input for the backward (the norm input of
             ``LayerNormLinear``); a later backward capture can take the same buffer for its output gradient
             and overwrite it on every replay (megatron-core 0.16.1: ``cuda_graphs.py:995``; see
-            :func:`per_layer_parity_note`).
+            :func:`per_layer_refusal`).
         where: fact -> ``megatron/core/<file>:<line>`` of the code that shows it.
     """
 
@@ -414,28 +414,37 @@ _PER_LAYER_MEASURED = (
 
 
 def per_layer_parity_note(capabilities: Optional[MegatronCapabilities]) -> Optional[str]:
-    """What is known about megatron-core's per-layer graphs (``cuda_graph_impl="local"``) against eager training
-    with ``capabilities`` installed; ``None`` when nothing is known against them.
-
-    megatron-core 0.16.1's per-layer graphs were measured not bit-identical to eager training. Its forward capture
-    returns a layer's input buffer to the reuse pool although TransformerEngine saved that input for the backward
-    (:attr:`MegatronCapabilities.per_layer_input_buffer_reuse`), and a later backward graph can overwrite it every
-    replay. That the reuse is the cause is read from the code; a GPU check of it (``ARMS=layerdiag``) is pending.
+    """The warning for megatron-core's per-layer graphs (``cuda_graph_impl="local"``) when the installed megatron-core
+    could not be read (``capabilities is None``); ``None`` otherwise (:func:`per_layer_refusal` decides then).
     """
-    if capabilities is None:
-        return (
-            "megatron-core could not be read; its per-layer CUDA graphs (megatron-core 0.16.1) were measured not to "
-            "reproduce eager training bit for bit: " + _PER_LAYER_MEASURED
-        )
-    if not capabilities.per_layer_input_buffer_reuse:
+    if capabilities is not None:
+        return None
+    return (
+        "megatron-core could not be read; its per-layer CUDA graphs (megatron-core 0.16.1) were measured not to "
+        "reproduce eager training bit for bit: " + _PER_LAYER_MEASURED
+    )
+
+
+def per_layer_refusal(capabilities: Optional[MegatronCapabilities]) -> Optional[str]:
+    """Why megatron-core's per-layer graphs (``cuda_graph_impl="local"``) must not be turned on with ``capabilities``
+    installed; ``None`` when nothing is known against them.
+
+    megatron-core 0.16.1's forward capture returns a layer's input buffer to its tensor reuse pool although
+    TransformerEngine saved that input for the layer's backward
+    (:attr:`MegatronCapabilities.per_layer_input_buffer_reuse`); a later backward graph takes the buffer for its
+    output gradient and overwrites it on every replay, so layer 0's backward reads a wrong input. Measured on an
+    H200 (megatron-core 0.16.1): per-layer graphs are not equal to eager training (``ARMS=bf16layer``); whether the
+    same graphs with those buffers kept out of the pool (what megatron-core 0.18 does) are: ``ARMS=layerdiag``.
+    """
+    if capabilities is None or not capabilities.per_layer_input_buffer_reuse:
         return None
     at = capabilities.where.get("per_layer_input_buffer_reuse", "megatron/core/transformer/cuda_graphs.py")
     return (
-        f"megatron-core {capabilities.version}'s per-layer CUDA graphs do not reproduce eager training bit for bit: "
+        f"megatron-core {capabilities.version}'s per-layer CUDA graphs do not reproduce eager training: "
         + _PER_LAYER_MEASURED
         + f". Its forward capture returns each layer's input buffer to the reuse pool ({at}) although "
-        "TransformerEngine keeps that input for the layer's backward, so a later backward graph may overwrite it "
-        "on every replay (the likely cause; newer megatron-core keeps buffers saved for backward)"
+        "TransformerEngine keeps that input for the layer's backward, and a later backward graph overwrites it on "
+        "every replay (megatron-core 0.18 keeps those buffers)"
     )
 
 

@@ -39,6 +39,10 @@ What the flag does depends on who drives the training step:
   - MoE: on a dropless MoE config the default whole-layer scope would capture the host-syncing token dispatcher
     (megatron-core only checks that when ``moe`` is listed explicitly): the scope is restricted with the reason
     logged, and ``full_iteration`` is refused (:func:`apply_megatron_graph_fields`);
+  - where megatron-core's forward capture returns buffers TransformerEngine saved for the backward to its reuse pool
+    (megatron-core 0.16.1, found in its code with file:line), its per-layer graphs were measured not to reproduce
+    eager training while the whole-iteration graph was bitwise equal to eager: there the flag's default is
+    ``scope=["full_iteration"]`` (logged with the reason) and a per-layer ``scope`` is refused (``ValueError``);
   - TE's fused wgrad accumulation (``gradient_accumulation_fusion``) is turned off where the installed
     megatron-core's graph replay does not restore ``grad_added_to_main_grad`` (Megatron-LM #1279; 0.16.1 does);
   - FP8 primary weights (``fp8_param_gather``/``fp8_params``/``fp8_param``): megatron-core >= 0.16 rebuilds the
@@ -277,6 +281,23 @@ def _config_fields(config: Any) -> set[str]:
     return set(getattr(config, "__dict__", {}))
 
 
+def _dropless_moe(config: Any, fields: set[str]) -> Optional[str]:
+    """Why an MoE config's token dispatcher cannot be captured (it is dropless); ``None`` for a dense or a
+    drop-and-pad MoE config."""
+    experts = _get(config, "num_moe_experts") if "num_moe_experts" in fields else None
+    if not isinstance(experts, int) or experts <= 1:
+        return None
+    capacity = _get(config, "moe_expert_capacity_factor")
+    padded = bool(_get(config, "moe_pad_expert_input_to_capacity"))
+    if capacity is not None and padded:
+        return None
+    return (
+        f"this MoE config is dropless (moe_expert_capacity_factor={capacity!r}, moe_pad_expert_input_to_capacity="
+        f"{padded}): its {_get(config, 'moe_token_dispatcher_type')!r} token dispatcher reads per-expert token counts "
+        "on the host, which cannot run inside a CUDA graph capture"
+    )
+
+
 def _moe_scope(config: Any, fields: set[str], impl: str, requested: list[str],
                explicit: bool) -> tuple[Optional[list[str]], list[str]]:
     """For an MoE config: the scope to use instead of ``requested`` (``None``: keep it) and notes.
@@ -289,15 +310,10 @@ def _moe_scope(config: Any, fields: set[str], impl: str, requested: list[str],
     if not isinstance(experts, int) or experts <= 1:
         return None, []
     capacity = _get(config, "moe_expert_capacity_factor")
-    padded = bool(_get(config, "moe_pad_expert_input_to_capacity"))
-    dropless = capacity is None or not padded
     dispatcher = _get(config, "moe_token_dispatcher_type")
     fp8_padding = bool(_get(config, "moe_router_padding_for_fp8"))
-    why_dropless = (
-        f"this MoE config is dropless (moe_expert_capacity_factor={capacity!r}, moe_pad_expert_input_to_capacity="
-        f"{padded}): its {dispatcher!r} token dispatcher reads per-expert token counts on the host, which cannot "
-        "run inside a CUDA graph capture"
-    )
+    why_dropless = _dropless_moe(config, fields)
+    dropless = why_dropless is not None
     if "full_iteration" in requested:
         if dropless:
             raise ValueError(
@@ -331,6 +347,36 @@ def _moe_scope(config: Any, fields: set[str], impl: str, requested: list[str],
     return scope, [note]
 
 
+def _per_layer_local(impl: str, scope: Optional[Sequence[str]], current_scope: Any) -> bool:
+    """Would megatron-core's own per-layer graphs (``impl="local"``, not the whole iteration) be configured?"""
+    names = _scope_names(scope) if scope is not None else _scope_names(current_scope)
+    return impl == "local" and "full_iteration" not in names
+
+
+def _default_scope(impl: str, scope: Optional[Sequence[str]], current_scope: Any, capabilities: Any,
+                   path: str) -> tuple[Optional[Sequence[str]], Optional[str]]:
+    """The scope to configure and, when per-layer graphs are refused on this megatron-core, why.
+
+    No scope given (the flag's default): ``["full_iteration"]`` where per-layer graphs are refused. A per-layer
+    scope the user gave there: ``ValueError`` with the reason and what to use instead.
+    """
+    if not _per_layer_local(impl, scope, current_scope):
+        return scope, None
+    from nemo_cudagraph_plugin.megatron import per_layer_refusal
+
+    refused = per_layer_refusal(capabilities)
+    if refused is None:
+        return scope, None
+    if scope is not None:
+        raise ValueError(
+            f"{path}.cuda_graph_scope={_scope_names(scope)!r} with cuda_graph_impl='local' (per-layer graphs): "
+            f"{refused}. Use scope=['full_iteration'] (one graph per training step) or leave scope unset (the flag "
+            "then chooses it); to accept the difference, set those model config fields yourself instead of using "
+            "the flag."
+        )
+    return ["full_iteration"], refused
+
+
 def apply_megatron_graph_fields(
     config: Any,
     *,
@@ -356,6 +402,12 @@ def apply_megatron_graph_fields(
       the chosen graphs (:func:`nemo_cudagraph_plugin.megatron.fused_wgrad_graph_safety`, Megatron-LM #1279);
     * ``use_te_rng_tracker=True`` (``rng_tracker=True``; NeMo recipes set it on the strategy instead).
 
+    Per-layer graphs (``impl="local"`` without ``"full_iteration"``) on a megatron-core whose forward capture hands
+    buffers TransformerEngine saved for the backward back to its reuse pool (megatron-core 0.16.1,
+    :func:`nemo_cudagraph_plugin.megatron.per_layer_refusal`) were measured not to reproduce eager training: with
+    ``scope=None`` the whole-iteration graph is configured instead (logged, WARNING); a per-layer ``scope`` raises
+    ``ValueError``. With ``capabilities=None`` (megatron-core unreadable) per-layer graphs stay, with a warning.
+
     A plain ``TransformerConfig`` has converted its scope in ``__post_init__`` already: call
     ``config.__post_init__()`` after this, as NeMo's ``MegatronStrategy.connect()`` does.
 
@@ -374,8 +426,27 @@ def apply_megatron_graph_fields(
     """
     fields = _config_fields(config)
     current = {name: _get(config, name) for name in _MEGATRON_GRAPH_FIELDS if name in fields}
+    gaf = "gradient_accumulation_fusion" in fields and _get(config, "gradient_accumulation_fusion") is True
+    if capabilities == _DETECT and (gaf or _per_layer_local(impl, scope, current.get("cuda_graph_scope"))):
+        from nemo_cudagraph_plugin.megatron import megatron_capabilities
+
+        capabilities = megatron_capabilities()
+    known = None if capabilities == _DETECT else capabilities
+    explicit = scope is not None
+    scope, refused = _default_scope(impl, scope, current.get("cuda_graph_scope"), known, path)
     requested = _scope_names(scope) if scope is not None else _scope_names(current.get("cuda_graph_scope"))
-    moe_scope, notes = _moe_scope(config, fields, impl, requested, explicit=scope is not None)
+    if refused is not None and _dropless_moe(config, fields):
+        raise ValueError(
+            f"{path}: this MoE model can use neither of megatron-core's CUDA graphs here. Per-layer graphs: "
+            f"{refused}. The whole-iteration graph: {_dropless_moe(config, fields)}, and it would capture that "
+            "dispatcher. Use drop-and-pad MoE (moe_expert_capacity_factor=<float> and "
+            "moe_pad_expert_input_to_capacity=True) for the whole-iteration graph, or set the per-layer fields "
+            "yourself to accept the difference."
+        )
+    moe_scope, notes = _moe_scope(config, fields, impl, requested, explicit=explicit)
+    if refused is not None:
+        notes.insert(0, f"{path}.cuda_graph_scope set to 'full_iteration' (one graph per training step) instead of "
+                        f"per-layer graphs: {refused}.")
     if moe_scope is not None:
         scope = moe_scope
     updates, full_iteration = plan_megatron_graph_fields(current, impl=impl, scope=scope, warmup_steps=warmup_steps)
@@ -386,18 +457,14 @@ def apply_megatron_graph_fields(
         if "cuda_graph_impl" in current else "megatron-core's CUDA graphs (this megatron-core has no cuda_graph_impl)",
         "external_cuda_graph": "megatron-core refuses it together with cuda_graph_impl/enable_cuda_graph",
         "cuda_graph_scope": "MoE: a dropless token dispatcher cannot be captured (logged above)"
-        if moe_scope is not None else "requested scope",
+        if moe_scope is not None else "per-layer graphs do not reproduce eager training here (logged above)"
+        if refused is not None else "requested scope",
         "cuda_graph_warmup_steps": "requested warm-up steps",
     }
-    gaf = "gradient_accumulation_fusion" in fields and _get(config, "gradient_accumulation_fusion") is True
-    if capabilities == _DETECT and (gaf or (not full_iteration and impl == "local")):
-        from nemo_cudagraph_plugin.megatron import megatron_capabilities
-
-        capabilities = megatron_capabilities()
     if gaf:
         from nemo_cudagraph_plugin.megatron import fused_wgrad_graph_safety
 
-        safe, reason = fused_wgrad_graph_safety(impl=impl, full_iteration=full_iteration, capabilities=capabilities)
+        safe, reason = fused_wgrad_graph_safety(impl=impl, full_iteration=full_iteration, capabilities=known)
         if not safe:
             updates["gradient_accumulation_fusion"] = False
             whys["gradient_accumulation_fusion"] = f"fused wgrad accumulation is not graph-safe here: {reason}"
@@ -405,7 +472,7 @@ def apply_megatron_graph_fields(
     if not full_iteration and impl == "local":
         from nemo_cudagraph_plugin.megatron import per_layer_parity_note
 
-        note = per_layer_parity_note(None if capabilities == _DETECT else capabilities)
+        note = per_layer_parity_note(known)
         if note is not None:
             notes.append(note)
     if rng_tracker and "use_te_rng_tracker" in fields and _get(config, "use_te_rng_tracker") is not True:
@@ -817,13 +884,22 @@ def _megatron_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, impl: s
         raise ValueError(f"fp8_refresh={fp8_refresh!r}: use True, False or 'auto'.")
     model_cfg = _model_config(recipe)
     has_fp8 = _has_fp8_params(recipe, trainer, model_cfg)
-    if has_fp8 and "full_iteration" not in _scope_names(scope if scope is not None else _get(model_cfg, "cuda_graph_scope")):
+    current_scope = _get(model_cfg, "cuda_graph_scope")
+    capabilities: Any = _DETECT  # read once here when per-layer graphs are asked for, else by the call below
+    if _per_layer_local(impl, scope, current_scope):
+        from nemo_cudagraph_plugin.megatron import megatron_capabilities
+
+        capabilities = megatron_capabilities()
+    effective, _ = _default_scope(impl, scope, current_scope, None if capabilities == _DETECT else capabilities,
+                                  "model.config")
+    if has_fp8 and "full_iteration" not in _scope_names(effective if effective is not None else current_scope):
         raise ValueError(_PER_LAYER_FP8_PARAMS)
     strategy = _get(trainer, "strategy")
     if not _is_buildable(strategy) or "use_te_rng_tracker" not in _params(strategy):
         raise ValueError("trainer.strategy must be a Config(MegatronStrategy, ...) with use_te_rng_tracker.")
     setup = apply_megatron_graph_fields(
         model_cfg, impl=impl, scope=scope, warmup_steps=options.get("warmup_steps"), rng_tracker=False,
+        capabilities=capabilities,
         set_field=lambda name, value, why: editor.set(model_cfg, "model.config", name, value, why),
         path="model.config",
     )

@@ -349,6 +349,11 @@ def test_each_arm_config_goes_through_the_flag_function():
     tc, info = bed.transformer_config(bed.parse_args(["--mode", "layer", "--warmup-steps", "3"]))
     assert tc.cuda_graph_impl == "local" and tc.cuda_graph_scope == [] and tc.cuda_graph_warmup_steps == 3
     assert any("cuda_graph_impl" in c for c in info["changes"]) and info["full_iteration"] is False
+    # The flag itself would not give these on megatron-core 0.16.1 (its default there is the whole iteration): the
+    # record says why; with the bed's --keep-graph-inputs that hazard is gone.
+    assert "cuda_graphs.py:995" in info["refused"]
+    tc, info = bed.transformer_config(bed.parse_args(["--mode", "layer", "--keep-graph-inputs"]))
+    assert info["refused"] is None and tc.cuda_graph_scope == [] and info["full_iteration"] is False
     assert tc.gradient_accumulation_fusion  # megatron-core 0.16.1 restores grad_added_to_main_grad
     tc, info = bed.transformer_config(bed.parse_args(["--mode", "full"]))
     assert tc.cuda_graph_scope == [CudaGraphScope.full_iteration] and info["full_iteration"]

@@ -28,7 +28,7 @@ import warnings
 import pytest
 
 from nemo_cudagraph_plugin import nemo as flag
-from nemo_cudagraph_plugin.megatron import per_layer_parity_note
+from nemo_cudagraph_plugin.megatron import per_layer_parity_note, per_layer_refusal
 from nemo_cudagraph_plugin.nemo import (
     add_cuda_graph_argument,
     plan_megatron_graph_fields,
@@ -197,19 +197,48 @@ def test_apply_fields_to_a_plain_config_object():
     assert full.full_iteration and full.scope == ["full_iteration"] and full.notes == []
 
 
-def test_per_layer_note_follows_the_installed_megatron_core(caplog):
-    # A megatron-core whose forward capture returns saved-for-backward inputs to its pool: named, with the line.
-    reuse = dataclasses.replace(_caps(True), per_layer_input_buffer_reuse=True,
+def test_per_layer_graphs_on_a_megatron_core_that_reuses_saved_inputs(caplog):
+    # A megatron-core whose forward capture returns saved-for-backward inputs to its pool (0.16.1, read from its code).
+    reuse = dataclasses.replace(_caps(True), per_layer_input_buffer_reuse=True, version="0.16.1",
                                 where={"per_layer_input_buffer_reuse": "megatron/core/transformer/cuda_graphs.py:995"})
+    why = per_layer_refusal(reuse)
+    assert "cuda_graphs.py:995" in why and why.startswith("megatron-core 0.16.1's per-layer CUDA graphs")
+    # The flag's default (no scope): the whole-iteration graph instead, said with the reason.
+    cfg = Mcore016Config()
     with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
-        setup = flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=reuse)
-    assert setup.notes == [per_layer_parity_note(reuse)]
-    assert "cuda_graphs.py:995" in caplog.text and "scope=['full_iteration']" in caplog.text
-    # One that keeps those buffers: nothing measured against it, no note; the whole iteration never gets one.
-    assert flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=_caps(True)).notes == []
+        setup = flag.apply_megatron_graph_fields(cfg, capabilities=reuse, path="model.config")
+    assert setup.full_iteration and cfg.cuda_graph_scope == "full_iteration" and cfg.cuda_graph_impl == "local"
+    assert setup.notes[0].startswith("model.config.cuda_graph_scope set to 'full_iteration'") and why in setup.notes[0]
+    assert "cuda_graphs.py:995" in caplog.text
+    scope_change = next(c for c in setup.changes if c.path == "model.config.cuda_graph_scope")
+    assert "do not reproduce eager training" in scope_change.why
+    # A per-layer scope the user asked for: refused, in the config's own name, with what to use instead.
+    cfg = Mcore016Config()
+    with pytest.raises(ValueError) as err:
+        flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"], capabilities=reuse, path="model.config")
+    msg = str(err.value)
+    assert msg.startswith("model.config.cuda_graph_scope=['attn', 'mlp'] with cuda_graph_impl='local'")
+    assert why in msg and "scope=['full_iteration']" in msg and "yourself" in msg
+    assert cfg.cuda_graph_impl == "none"  # nothing was set
+    # A dropless MoE config can have neither: refused with both reasons.
+    with pytest.raises(ValueError) as err:
+        flag.apply_megatron_graph_fields(Mcore016Config(num_moe_experts=8, moe_token_dispatcher_type="alltoall"),
+                                         capabilities=reuse)
+    assert "cuda_graphs.py:995" in str(err.value) and "dropless" in str(err.value)
+    # Asked for the whole iteration, or TE's graphs (impl="transformer_engine", not measured): nothing said.
     assert flag.apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=reuse).notes == []
-    # TE's graphs (impl="transformer_engine") were not measured: no note either.
-    assert flag.apply_megatron_graph_fields(Mcore016Config(), impl="transformer_engine", capabilities=reuse).notes == []
+    te = flag.apply_megatron_graph_fields(Mcore016Config(), impl="transformer_engine", capabilities=reuse)
+    assert te.notes == [] and not te.full_iteration
+    # A megatron-core that keeps those buffers: per-layer graphs, nothing known against them, nothing said.
+    assert per_layer_refusal(_caps(True)) is None
+    kept = flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=_caps(True))
+    assert kept.notes == [] and not kept.full_iteration
+    # megatron-core unreadable: per-layer graphs, with the measured warning.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
+        setup = flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=None)
+    assert setup.notes == [per_layer_parity_note(None)] and "bit for bit" in caplog.text and not setup.full_iteration
+    assert per_layer_parity_note(reuse) is None and per_layer_refusal(None) is None
 
 
 def test_fused_wgrad_accumulation_decision_seed_000(caplog):
@@ -366,6 +395,18 @@ def recipe(llm, tmp_path):
     return llm.llama3_8b.pretrain_recipe(name="cg", dir=str(tmp_path), num_nodes=1, num_gpus_per_node=1)
 
 
+@pytest.fixture
+def keeps_inputs(monkeypatch):
+    """The installed megatron-core (0.16.1) as one whose per-layer forward capture keeps the buffers TE saved for the
+    backward (what megatron-core 0.18 does): the flag's per-layer logic then runs as it would there."""
+    import nemo_cudagraph_plugin.megatron as mg
+
+    real = mg.megatron_capabilities()
+    assert real is not None and real.per_layer_input_buffer_reuse  # 0.16.1, read from its code
+    monkeypatch.setattr(mg, "megatron_capabilities",
+                        lambda: dataclasses.replace(real, per_layer_input_buffer_reuse=False))
+
+
 def _mcore_config(**kw):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -395,7 +436,30 @@ def test_real_transformer_config_has_the_016_shape(llm):
 
 
 @nemo_only
-def test_llama3_8b_flag_passes_megatron_strategy_connect_on_cpu(recipe, caplog):
+def test_llama3_8b_default_on_megatron_core_0161_is_the_whole_iteration_graph(recipe, caplog):
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    original = copy.deepcopy(recipe)
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+        with_cuda_graph(recipe)
+    # megatron-core 0.16.1's per-layer graphs do not reproduce eager training (its code hands TE's saved inputs back
+    # to the reuse pool): the flag's default is the whole-iteration graph, said with the reason and the line.
+    assert "cuda_graph_scope set to 'full_iteration'" in caplog.text and "cuda_graphs.py:995" in caplog.text
+    assert [flag._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback", "MegatronFullIterationGraph"]
+    assert recipe.trainer.strategy.ddp.check_for_nan_in_grad is False  # a host read inside the captured step
+    model = flag.check_on_cpu(recipe)
+    assert model.config.cuda_graph_impl == "local" and model.config.cuda_graph_scope == [CudaGraphScope.full_iteration]
+    # A per-layer scope asked for explicitly: refused, nothing edited.
+    before = copy.deepcopy(original)
+    with pytest.raises(ValueError, match=r"model.config.cuda_graph_scope=\['attn'\].*cuda_graphs.py:995"):
+        with_cuda_graph(before, scope=["attn"])
+    assert before == original
+    with_cuda_graph(recipe, enabled=False)
+    assert recipe == original
+
+
+@nemo_only
+def test_llama3_8b_flag_passes_megatron_strategy_connect_on_cpu(recipe, caplog, keeps_inputs):
     with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
         out = with_cuda_graph(recipe)
     assert out is recipe
@@ -419,14 +483,24 @@ def test_llama3_8b_flag_passes_megatron_strategy_connect_on_cpu(recipe, caplog):
 def test_apply_fields_on_a_real_transformer_config_and_detected_capabilities(llm):
     from megatron.core.transformer.enums import CudaGraphScope
 
+    from nemo_cudagraph_plugin.megatron import megatron_capabilities
+
     cfg = _mcore_config(gradient_accumulation_fusion=True)
-    setup = flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"])  # "detect": reads megatron-core 0.16.1
+    with pytest.raises(ValueError, match=r"returns each layer's input buffer to the reuse pool \(megatron/core/"
+                                         r"transformer/cuda_graphs.py:995\)"):
+        flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"])  # "detect": reads megatron-core 0.16.1
+    assert cfg.cuda_graph_impl == "none"
+    setup = flag.apply_megatron_graph_fields(cfg)  # the default there: the whole iteration
+    assert setup.full_iteration and "cuda_graphs.py:995" in setup.notes[0]
+    # On a megatron-core that keeps those buffers (0.16.1 read as such), the per-layer scope is set.
+    keeps = dataclasses.replace(megatron_capabilities(), per_layer_input_buffer_reuse=False)
+    cfg = _mcore_config(gradient_accumulation_fusion=True)
+    setup = flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"], capabilities=keeps)
     cfg.__post_init__()  # as MegatronStrategy.connect() does
     assert cfg.cuda_graph_impl == "local" and cfg.use_te_rng_tracker is True
     assert cfg.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.mlp]
     # megatron-core 0.16.1 restores grad_added_to_main_grad after each per-layer replay: the fusion stays on.
-    assert cfg.gradient_accumulation_fusion is True and len(setup.notes) == 1
-    assert "returns each layer's input buffer to the reuse pool (megatron/core/transformer/cuda_graphs.py:995)" in setup.notes[0]
+    assert cfg.gradient_accumulation_fusion is True and setup.notes == []
     full = _mcore_config()
     flag.apply_megatron_graph_fields(full, scope=["full_iteration"])
     full.__post_init__()
@@ -434,7 +508,17 @@ def test_apply_fields_on_a_real_transformer_config_and_detected_capabilities(llm
 
 
 @nemo_only
-def test_mixtral_moe_recipe_scope_is_restricted_with_the_reason(llm, tmp_path, caplog):
+def test_mixtral_moe_recipe_on_megatron_core_0161_is_refused_with_both_reasons(llm, tmp_path):
+    recipe = llm.mixtral_8x7b.pretrain_recipe(name="moe", dir=str(tmp_path), num_nodes=1, num_gpus_per_node=8)
+    original = copy.deepcopy(recipe)
+    with pytest.raises(ValueError) as err:
+        with_cuda_graph(recipe)
+    assert "cuda_graphs.py:995" in str(err.value) and "dropless" in str(err.value)
+    assert recipe == original
+
+
+@nemo_only
+def test_mixtral_moe_recipe_scope_is_restricted_with_the_reason(llm, tmp_path, caplog, keeps_inputs):
     recipe = llm.mixtral_8x7b.pretrain_recipe(name="moe", dir=str(tmp_path), num_nodes=1, num_gpus_per_node=8)
     cfg = recipe.model.config
     assert cfg.num_moe_experts == 8 and cfg.moe_token_dispatcher_type == "alltoall"
@@ -480,7 +564,7 @@ def test_nemo_perf_script_style_fails_connect_and_the_flag_repairs_it(recipe):
 
 
 @nemo_only
-def test_llama3_8b_scope_and_warmup(recipe):
+def test_llama3_8b_scope_and_warmup(recipe, keeps_inputs):
     from megatron.core.transformer.enums import CudaGraphScope
 
     with_cuda_graph(recipe, scope=["attn", "mlp"], warmup_steps=5)
@@ -551,7 +635,7 @@ def test_idempotent_and_undo_restores_exactly(recipe, caplog):
 
 
 @nemo_only
-def test_fp8_recipe_gets_transpose_care_and_serializes(recipe, run):
+def test_fp8_recipe_gets_transpose_care_and_serializes(recipe, run, request):
     import yaml
     from nemo_run.core.serialization.yaml import YamlSerializer
     from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
@@ -561,9 +645,12 @@ def test_fp8_recipe_gets_transpose_care_and_serializes(recipe, run):
     recipe.trainer.plugins.fp8 = "hybrid"
     recipe.trainer.plugins.fp8_param_gather = True
     assert recipe.trainer.strategy.pipeline_model_parallel_size == 1
-    # Per-layer graphs fail on FP8 primary weights (measured, megatron-core 0.16.1 + TE 2.20.2): refused before
-    # anything is edited, pointing at the whole-iteration graph.
+    # The default on megatron-core 0.16.1 is the whole-iteration graph anyway (cuda_graphs.py:995).
+    assert "MegatronFullIterationGraph" in [flag._name(c) for c in with_cuda_graph(copy.deepcopy(recipe)).trainer.callbacks]
+    # Per-layer graphs fail on FP8 primary weights (measured, megatron-core 0.16.1 + TE 2.20.2): on a megatron-core
+    # that would allow them otherwise, refused before anything is edited, pointing at the whole-iteration graph.
     before = copy.deepcopy(recipe)
+    keeps_inputs = request.getfixturevalue("keeps_inputs")  # noqa: F841 (from here on)
     with pytest.raises(ValueError, match=r"cuda_graphs.py:587.*scope=\['full_iteration'\]"):
         with_cuda_graph(recipe)
     assert recipe == before

@@ -4,7 +4,8 @@ Each arm runs in its own process (megatron-core keeps its CUDA-graph state in gl
 per-layer and whole-iteration graphs cannot share a process). With ``MEGATRON_BED_RECORDS=<dir>`` the test reads the
 records ``benchmarks/megatron_session.sh`` has just written instead of running the arms again; an arm without a
 record there (the other arm set, or skipped for the session's budget) skips the tests that read it. Without it the
-test runs the arms of ``MEGATRON_BED_SET`` (``default``, ``bf16layer`` or ``all``, the default; 30 steps each).
+test runs the arms of ``MEGATRON_BED_SET`` (``default``, ``bf16layer``, ``layerdiag`` or ``all``, the default; 30 steps
+each).
 
 Two arm sets, each compared within its configuration group (``megatron_bed.compare``: an arm against the eager arm
 of the same precision / weights / steps, with that group's second eager arm as the noise floor):
@@ -81,9 +82,19 @@ ARMS = {
     "bf_seed000_break": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--break-grad-added"],
     "bf_seed000_guard": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--break-grad-added",
                          "--guard-fused-wgrad"],
+    # layerdiag set: why per-layer graphs differ (dg_bf_ = bf16, dg_np_ = FP8 hybrid compute with bf16 weights)
+    "dg_bf_eager": ["--mode", "eager", "--fp8", "none", "--verify-every", "0", "--grad-fingerprints", "3"],
+    "dg_bf_layer": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--grad-fingerprints", "3"],
+    "dg_bf_keep": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--grad-fingerprints", "3",
+                   "--keep-graph-inputs"],
+    "dg_np_eager": ["--mode", "eager", "--no-fp8-params", "--verify-every", "0", "--grad-fingerprints", "3"],
+    "dg_np_layer": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0", "--grad-fingerprints", "3"],
+    "dg_np_keep": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0", "--grad-fingerprints", "3",
+                   "--keep-graph-inputs"],
 }
-SETS = {"default": [t for t in ARMS if t[:3] not in ("np_", "bf_")],
-        "bf16layer": [t for t in ARMS if t[:3] in ("np_", "bf_")]}
+SETS = {"default": [t for t in ARMS if t[:3] not in ("np_", "bf_", "dg_")],
+        "bf16layer": [t for t in ARMS if t[:3] in ("np_", "bf_")],
+        "layerdiag": [t for t in ARMS if t[:3] == "dg_"]}
 GIVEN = os.environ.get("MEGATRON_BED_RECORDS")
 
 
@@ -132,7 +143,8 @@ def _get(records, tag):
 
 def _row(records, tag):
     """``tag``'s row of the report over every record present (each arm against its own group's eager arm)."""
-    _get(records, (tag[:3] if tag[:3] in ("np_", "bf_") else "") + "eager_a")  # its set's reference ran cleanly
+    set_ref = {"np_": "np_eager_a", "bf_": "bf_eager_a", "dg_": tag[:6] + "eager"}.get(tag[:3], "eager_a")
+    _get(records, set_ref)  # its set's reference ran cleanly
     summary = megatron_bed.compare([r for t, r in records.items() if t != "_ran"])
     row = next(r for r in summary["rows"] if r["tag"] == tag)
     group = next(g for g in summary["groups"] if g["name"] == row["group"])
@@ -141,17 +153,20 @@ def _row(records, tag):
 
 
 # megatron-core 0.16.1's per-layer graphs were measured NOT bitwise to eager (docs/gpu-evidence/2026-12-03-megatron-
-# per-layer.md: gradient norms differ from the first captured step, loss max |Δ| 0.027 over 120 steps); the flag warns
-# (megatron.per_layer_parity_note). This test holds what was measured: graphs captured, warm-up steps bitwise, no
-# non-finite value, every step's loss within 5 % of eager's (a double-counted or skipped gradient leaves that band).
+# per-layer.md: gradient norms differ from the first captured step, loss max |Δ| 0.027 over 120 steps); the flag does
+# not give them there (megatron.per_layer_refusal; its default is the whole iteration) and the arms set the fields by
+# hand. This test holds what was measured: graphs captured, warm-up steps bitwise, no non-finite value, every step's
+# loss within 5 % of eager's (a double-counted or skipped gradient leaves that band).
 PER_LAYER_LOSS_RTOL = 0.05
 
 
-@pytest.mark.parametrize("tag", ["layer", "np_layer", "bf_layer"])
+@pytest.mark.parametrize("tag", ["layer", "np_layer", "bf_layer", "dg_bf_layer", "dg_np_layer"])
 def test_per_layer_graphs_captured_and_close_to_eager(records, tag):
     rec = _get(records, tag)
     layers = rec["config"]["layers"]
     assert rec["flag"]["changes"], "the flag's fields were not applied"
+    if rec["capabilities"].get("per_layer_input_buffer_reuse"):
+        assert "cuda_graphs.py" in (rec["flag"].get("refused") or ""), "the flag must not give these graphs here"
     g = rec["graphs"]
     assert g["layer_fwd_graphs"] >= layers and g["layer_bwd_graphs"] >= layers, g
     assert g["full_iteration_graphs"] == 0
@@ -163,6 +178,18 @@ def test_per_layer_graphs_captured_and_close_to_eager(records, tag):
     rel = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref))
     print(f"\nPER-LAYER {tag}: verdict {row['verdict']}, loss max rel diff {rel:.3g} over {len(ref)} steps")
     assert rel <= PER_LAYER_LOSS_RTOL, (rel, row)
+
+
+@pytest.mark.parametrize("tag", ["dg_bf_keep", "dg_np_keep"])
+def test_per_layer_graphs_equal_eager_once_saved_inputs_stay_out_of_the_reuse_pool(records, tag):
+    # The cause of the difference above: with each layer graph's forward input buffers kept out of megatron-core
+    # 0.16.1's reuse pool (--keep-graph-inputs, what megatron-core 0.18 does) per-layer graphs equal eager.
+    rec = _get(records, tag)
+    assert rec["keep_graph_inputs"]["withheld_buffers"] > 0, rec["keep_graph_inputs"]
+    g = rec["graphs"]
+    assert g["layer_fwd_graphs"] >= rec["config"]["layers"] and g["full_iteration_graphs"] == 0, g
+    row, group = _row(records, tag)
+    assert row["verdict"] in ("bitwise", "within eager noise"), (row, group)
 
 
 @pytest.mark.parametrize("tag", ["full", "np_full", "bf_full"])
