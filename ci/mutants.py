@@ -229,6 +229,11 @@ MUTANTS: list[Mutant] = [
            ("tests/test_nemo_flag.py::test_per_layer_graphs_on_a_megatron_core_that_reuses_saved_inputs",),
            "the NeMo flag gives megatron-core 0.16.1's per-layer graphs (not equal to eager) instead of the whole "
            "iteration, and accepts a per-layer scope there"),
+    Mutant("pool-kept-after-every-graph-dropped", "cpu", "nemo_cudagraph_plugin/core/engine.py",
+           "        if self._pool is None or not len(self.cache):\n",
+           "        if self._pool is None:\n",
+           ("tests/test_engine_tape.py::test_reallocated_state_after_capture_is_detected_and_recaptured[data]",),
+           "the engine captures into the memory pool of graphs it has all dropped (torch's allocator asserts)"),
     Mutant("finite-fallback-ignores-slots", "cpu", "nemo_cudagraph_plugin/core/finite.py",
            "                acc.index_add_(0, index, bad)",
            "                acc[: len(tensors)].add_(bad)",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -227,11 +228,12 @@ class TapeGraph:
         replays: replays that re-executed the tape (the no-op replay right after capture is not counted).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tally: Optional[list[int]] = None) -> None:
         self.ops: list[_Op] = []
         self.registered: list[torch.Generator] = []
         self.replays = 0
         self._fresh = False
+        self._tally = tally if tally is not None else [0]  # replays over every graph of its backend
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         """Like ``CUDAGraph.register_generator_state``: replays advance ``generator``."""
@@ -262,6 +264,7 @@ class TapeGraph:
                     if rec is not None and t is not None and not _same_memory(rec, t):
                         rec.copy_(t)
         self.replays += 1
+        self._tally[0] += 1
 
 
 class _Recorder(TorchDispatchMode):
@@ -312,6 +315,14 @@ class _Recorder(TorchDispatchMode):
         return super().__exit__(exc_type, exc, tb)
 
 
+class _Pool:
+    """A graph memory-pool handle: the graphs captured into it (weakly) and whether any ever was."""
+
+    def __init__(self) -> None:
+        self.graphs: weakref.WeakSet[TapeGraph] = weakref.WeakSet()
+        self.used = False
+
+
 class _Stream:
     """Streams are an ordering concept on a GPU; the tape device has one queue."""
 
@@ -326,8 +337,13 @@ class TapeBackend(GraphBackend):
         sync_in_capture: ``"raise"`` (like CUDA: a host sync inside a capture fails it) or ``"bake"`` (the host
             value read at capture stays in the Python that used it, for tests of that hazard).
 
+    Memory pools follow torch's caching allocator: a pool handle lives while a graph captured into it lives; capturing
+    into a pool all of whose graphs were destroyed fails (torch: ``it->second->use_count > 0 INTERNAL ASSERT FAILED``
+    in ``capture_begin`` while tensors allocated in that pool are still alive), so an engine must take a new handle
+    once it has dropped every graph.
+
     Attributes:
-        graphs: every graph captured through this backend, in order.
+        graphs: weak references to every graph captured through this backend, in order.
     """
 
     device_type = "cpu"
@@ -336,21 +352,28 @@ class TapeBackend(GraphBackend):
         if sync_in_capture not in ("raise", "bake"):
             raise ValueError("sync_in_capture must be 'raise' or 'bake'")
         self.sync_in_capture = sync_in_capture
-        self.graphs: list[TapeGraph] = []
+        self.graphs: list[weakref.ref[TapeGraph]] = []
+        self._tally = [0]
 
     def new_graph(self) -> TapeGraph:
-        return TapeGraph()
+        return TapeGraph(self._tally)
 
-    def pool(self) -> Any:
-        return None
+    def pool(self) -> _Pool:
+        return _Pool()
 
     @contextlib.contextmanager
     def capture(self, graph: TapeGraph, pool: Any, stream: Any) -> Iterator[None]:
+        if isinstance(pool, _Pool):
+            if pool.used and not len(pool.graphs):
+                raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (tape stand-in of torch's caching "
+                                   "allocator: capture into a pool whose graphs were all destroyed)")
+            pool.used = True
+            pool.graphs.add(graph)
         graph.ops.clear()
         with _Recorder(graph, self.sync_in_capture):
             yield
         graph._fresh = True
-        self.graphs.append(graph)
+        self.graphs.append(weakref.ref(graph))
 
     def side_stream(self, device: torch.device) -> _Stream:
         return _Stream()
@@ -373,7 +396,7 @@ class TapeBackend(GraphBackend):
     @property
     def replays(self) -> int:
         """Tape re-executions over every graph of this backend."""
-        return sum(g.replays for g in self.graphs)
+        return self._tally[0]
 
 
 def CpuGeneratorRegistry() -> GeneratorRegistry:  # noqa: N802 - kept as the tests' constructor name

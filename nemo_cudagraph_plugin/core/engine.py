@@ -406,7 +406,9 @@ class CaptureEngine:
         inputs = StaticInputs(leaves, spec, self.device)
         graph = be.new_graph()
         self.generators.apply(graph)
-        if self._pool is None:
+        if self._pool is None or not len(self.cache):
+            # A new pool once every graph is gone: torch refuses a capture into a pool whose graphs were all
+            # destroyed while tensors allocated in it (gradients, the guard's tables) still live.
             self._pool = be.pool()
         owns = fresh_grads
         saved_grads: list[tuple[Tensor, Optional[Tensor]]] = []
