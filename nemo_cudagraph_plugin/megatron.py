@@ -405,11 +405,12 @@ def megatron_capabilities() -> Optional[MegatronCapabilities]:
     )
 
 
-# Measured on an H200 (megatron-core 0.16.1, TransformerEngine 2.20.2; docs/gpu-evidence/2026-12-03-megatron-per-layer.md).
+# Measured on an H200 (megatron-core 0.16.1, TransformerEngine 2.20.2; docs/gpu-evidence/2026-12-03-megatron-per-layer.md,
+# 2026-12-03-megatron-layerdiag.md).
 _PER_LAYER_MEASURED = (
-    "gradient norms differ from the first captured step and the loss curves drift apart by up to 0.027 over 120 "
-    "steps, where eager against eager is bitwise; scope=['full_iteration'] was bitwise equal to eager on the same "
-    "models"
+    "layer 0's input-norm weight gradient is wrong from the first replayed step and the loss curves drift apart by "
+    "up to 0.027 over 120 steps, where eager against eager is bitwise; scope=['full_iteration'] was bitwise equal "
+    "to eager on the same models"
 )
 
 
@@ -433,8 +434,10 @@ def per_layer_refusal(capabilities: Optional[MegatronCapabilities]) -> Optional[
     TransformerEngine saved that input for the layer's backward
     (:attr:`MegatronCapabilities.per_layer_input_buffer_reuse`); a later backward graph takes the buffer for its
     output gradient and overwrites it on every replay, so layer 0's backward reads a wrong input. Measured on an
-    H200 (megatron-core 0.16.1): per-layer graphs are not equal to eager training (``ARMS=bf16layer``); whether the
-    same graphs with those buffers kept out of the pool (what megatron-core 0.18 does) are: ``ARMS=layerdiag``.
+    H200 (megatron-core 0.16.1, docs/gpu-evidence/2026-12-03-megatron-layerdiag.md): per-layer graphs differ from
+    eager from the first replayed step, in exactly two gradients (layer 0's input-norm weight, 98 % off, and the
+    embedding's); with those buffers kept out of the pool (what megatron-core 0.18 does) they are bitwise equal to
+    eager over 120 steps.
     """
     if capabilities is None or not capabilities.per_layer_input_buffer_reuse:
         return None

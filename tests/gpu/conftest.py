@@ -17,6 +17,18 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 HERE = Path(__file__).resolve().parent
 _LEFT_OUT: list[str] = []
 
+# TransformerEngine first, where it is installed: its loader picks a cuDNN by path, and once torch has loaded its own
+# for an earlier test's attention, TE's can fail to load ("libcudnn_heuristic.so.9: undefined symbol",
+# docs/gpu-evidence/2026-12-03-nan-guard.md section 6). A TE that does not import is left to its tests to report.
+if torch.cuda.is_available():
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception:  # noqa: BLE001 - the TE tests import it again and say why
+            pass
+
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """Without CUDA, leave every test module of tests/gpu/ uncollected (counted for the header)."""
