@@ -83,14 +83,10 @@ ARMS = {
     "bf_seed000_guard": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--break-grad-added",
                          "--guard-fused-wgrad"],
     # layerdiag set: why per-layer graphs differ (dg_bf_ = bf16, dg_np_ = FP8 hybrid compute with bf16 weights)
-    "dg_bf_eager": ["--mode", "eager", "--fp8", "none", "--verify-every", "0", "--grad-fingerprints", "3"],
-    "dg_bf_layer": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--grad-fingerprints", "3"],
-    "dg_bf_keep": ["--mode", "layer", "--fp8", "none", "--verify-every", "0", "--grad-fingerprints", "3",
-                   "--keep-graph-inputs"],
-    "dg_np_eager": ["--mode", "eager", "--no-fp8-params", "--verify-every", "0", "--grad-fingerprints", "3"],
-    "dg_np_layer": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0", "--grad-fingerprints", "3"],
-    "dg_np_keep": ["--mode", "layer", "--no-fp8-params", "--verify-every", "0", "--grad-fingerprints", "3",
-                   "--keep-graph-inputs"],
+    **{f"dg_{cfg}_{arm}": ["--mode", mode, *precision, "--verify-every", "0", "--grad-fingerprints", "3", *extra]
+       for cfg, precision in (("bf", ["--fp8", "none"]), ("np", ["--no-fp8-params"]))
+       for arm, mode, extra in (("eager", "eager", []), ("layer", "layer", []),
+                                ("keep", "layer", ["--keep-graph-inputs"]))},
 }
 SETS = {"default": [t for t in ARMS if t[:3] not in ("np_", "bf_", "dg_")],
         "bf16layer": [t for t in ARMS if t[:3] in ("np_", "bf_")],
