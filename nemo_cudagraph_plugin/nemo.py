@@ -435,10 +435,11 @@ def apply_megatron_graph_fields(
     explicit = scope is not None
     scope, refused = _default_scope(impl, scope, current.get("cuda_graph_scope"), known, path)
     requested = _scope_names(scope) if scope is not None else _scope_names(current.get("cuda_graph_scope"))
-    if refused is not None and _dropless_moe(config, fields):
+    dropless = _dropless_moe(config, fields) if refused is not None else None
+    if dropless is not None:
         raise ValueError(
             f"{path}: this MoE model can use neither of megatron-core's CUDA graphs here. Per-layer graphs: "
-            f"{refused}. The whole-iteration graph: {_dropless_moe(config, fields)}, and it would capture that "
+            f"{refused}. The whole-iteration graph: {dropless}, and it would capture that "
             "dispatcher. Use drop-and-pad MoE (moe_expert_capacity_factor=<float> and "
             "moe_pad_expert_input_to_capacity=True) for the whole-iteration graph, or set the per-layer fields "
             "yourself to accept the difference."
