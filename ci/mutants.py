@@ -66,9 +66,9 @@ MUTANTS: list[Mutant] = [
            (LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]",),
            "ProgressDelta.apply does nothing: global_step stands still on replays"),
     Mutant("outputs-not-cloned", "cpu", E,
-           "        if n is None:\n            return unflatten(self.out_spec, [t.clone() for t in leaves])\n"
-           "        return unflatten(self.out_spec, [t.clone() for t in leaves[:n]] + leaves[n:])",
-           "        return unflatten(self.out_spec, list(leaves))",
+           "        if n is None:\n            return self._build([t.clone() for t in leaves])\n"
+           "        return self._build([t.clone() for t in leaves[:n]] + leaves[n:])",
+           "        return self._build(list(leaves))",
            (ET_ + "test_returned_outputs_are_copies_that_later_replays_do_not_overwrite",
             LT + "test_graphed_fit_equals_eager_lightning_bitwise[1-12]"),
            "GraphEntry.outputs returns the static output buffers: a kept loss changes on the next replay"),

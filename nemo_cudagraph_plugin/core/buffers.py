@@ -10,7 +10,8 @@ replayed for ``mode="b"``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+import functools
+from collections.abc import Callable, Hashable
 from typing import Any, Optional
 
 import torch
@@ -87,6 +88,17 @@ def _unflatten(spec: Hashable, it) -> Any:
 def unflatten(spec: Hashable, leaves: list[torch.Tensor]) -> Any:
     """Inverse of :func:`flatten`: rebuild the batch from ``spec`` with ``leaves`` in order."""
     return _unflatten(spec, iter(leaves))
+
+
+def unflattener(spec: Hashable) -> Callable[[list[torch.Tensor]], Any]:
+    """:func:`unflatten` for one ``spec``, decided once: a flat dict of tensors (a training step's usual
+    ``{"loss": ...}``) or a lone tensor is rebuilt without walking the spec (a replayed step's host path)."""
+    if spec == _T:
+        return lambda leaves: leaves[0]
+    if spec[0] == "d" and all(s == _T for s in spec[2]):
+        keys = spec[1]
+        return lambda leaves: dict(zip(keys, leaves))
+    return functools.partial(unflatten, spec)
 
 
 def signature_of(leaves: list[torch.Tensor], spec: Hashable) -> Hashable:

@@ -71,7 +71,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .backend import GraphBackend, default_backend
-from .buffers import StaticInputs, flatten, signature_of, unflatten
+from .buffers import StaticInputs, flatten, signature_of, unflattener
 from .config import CaptureConfig, CaptureStats
 from .errors import CaptureError, ParityError, capture_error_from
 from .graph_cache import GraphCache
@@ -105,12 +105,15 @@ class GraphEntry:
     clone_first: Optional[int] = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._build = unflattener(self.out_spec)  # decided once: outputs() runs after every replay
+
     def outputs(self) -> Any:
         # Clone: the next replay overwrites the static outputs, and a user may keep this step's loss.
         leaves, n = self.out_leaves, self.clone_first
         if n is None:
-            return unflatten(self.out_spec, [t.clone() for t in leaves])
-        return unflatten(self.out_spec, [t.clone() for t in leaves[:n]] + leaves[n:])
+            return self._build([t.clone() for t in leaves])
+        return self._build([t.clone() for t in leaves[:n]] + leaves[n:])
 
 
 class _Flag:

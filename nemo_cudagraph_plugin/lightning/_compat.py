@@ -174,7 +174,10 @@ def fast_log(trainer: pl.Trainer, fx: str, name: str, value: Any, kwargs: dict) 
     if metric is None or metric.has_reset:
         return False
     batch_size = results._extract_batch_size(metric, kwargs.get("batch_size"), metric.meta)
-    results.update_metrics(f"{fx}.{name}", value.squeeze(), batch_size)
+    # _ResultCollection.update_metrics' body (Lightning 2.x), without its torch.compiler.disable wrapper, which costs
+    # more host time than the update itself; this runs after a replay, never under torch.compile.
+    metric.forward(value.squeeze(), batch_size)
+    metric.has_reset = False
     connector._current_fx = fx
     return True
 

@@ -88,6 +88,7 @@ class StepLogs:
         pl_module = self.pl_module
         trainer = pl_module.trainer
         prev = _compat.current_fx(pl_module)
+        slow = False  # only LightningModule.log needs the hook name set (and put back)
         it = iter(values)
         try:
             for rec in records:
@@ -97,10 +98,13 @@ class StepLogs:
                     # first, fully checked call); anything else goes through LightningModule.log.
                     if not rec.args and _compat.fast_log(trainer, rec.fx, rec.name, value, rec.kwargs):
                         continue
+                    slow = True
                     _compat.set_current_fx(pl_module, rec.fx)
                     pl_module.log(rec.name, value, *rec.args, **rec.kwargs)
                 else:
+                    slow = True
                     _compat.set_current_fx(pl_module, rec.fx)
                     pl_module.log(rec.name, *rec.args, **rec.kwargs)
         finally:
-            _compat.set_current_fx(pl_module, prev)
+            if slow:
+                _compat.set_current_fx(pl_module, prev)
