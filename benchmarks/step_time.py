@@ -74,9 +74,14 @@ VARIANTS: dict[str, str] = {
                      "from the wheel; optimizer built with `capturable=True` (NeMo needs it and does not set it)",
     "callback": "`CudaGraphCallback()` (NaN guard on, `nan_check_every=50`)",
     "callback_noguard": "`CudaGraphCallback(nan_guard=False)`: what the guard costs",
+    "callback_guard_serial": "`callback` with the guard's gradient check after backward instead of beside it (this "
+                             "child process turns `NanGuard.overlap_backward` off): what the overlap saves",
     "nemo_callback_hostread": "`nemo_callback` + `float(outputs['loss'])` in on_train_batch_end every step (what a "
                               "progress bar costs)",
     "callback_hostread": "`callback` + the same per-step host read of the loss",
+    "nemo_callback_nolog": "`nemo_callback` with a module that calls no `self.log` (NeMo's replays skip "
+                           "`training_step`, so they never log): the like-for-like comparison",
+    "callback_nolog": "`callback` with the same module that calls no `self.log`",
     "strategy": "`CudaGraphStrategy()`",
     "raw_graph": "hand-written whole-step `torch.cuda.graph` loop without Lightning: gradients owned by the graph (set "
                  "to None before capture), batches pre-staged on the GPU; its process also measures the kernel floor",
@@ -92,6 +97,8 @@ CHILD_ONLY = ["floor"]  # the kernel floor alone (used when raw_graph is not amo
 TARGETS: dict[str, tuple[str, str, str, str, float]] = {
     "tiny: ours / NeMo (ms per step)": ("tiny", "callback", "vs_nemo", "<=", 1.0),
     "small: ours / NeMo (ms per step)": ("small", "callback", "vs_nemo", "<=", 1.0),
+    "tiny: ours / NeMo, module without self.log": ("tiny", "callback_nolog", "vs_nemo", "<=", 1.0),
+    "small: ours / NeMo, module without self.log": ("small", "callback_nolog", "vs_nemo", "<=", 1.0),
     "small: ours / kernel floor": ("small", "callback", "floor_ratio", "<=", 1.03),
     "tiny: ours / kernel floor": ("tiny", "callback", "floor_ratio", "<=", 1.10),
     "small: NaN guard share of our step ((callback - callback_noguard) / callback)":
@@ -160,13 +167,14 @@ class BenchModule(GPTLightningModule):
     the ``*_hostread`` variants measure on purpose); ``batch_idx`` optional because NeMo's callback calls
     ``training_step(batch)``."""
 
-    def __init__(self, cfg: Any, *, optim: str, capturable: bool) -> None:
+    def __init__(self, cfg: Any, *, optim: str, capturable: bool, log: bool = True) -> None:
         super().__init__(cfg, lr=3e-4)
-        self.optim_kind, self.capturable = optim, capturable
+        self.optim_kind, self.capturable, self.log_loss = optim, capturable, log
 
     def training_step(self, batch: dict, batch_idx: Optional[int] = None) -> torch.Tensor:
         loss = gpt_loss(self(batch["input_ids"]), batch["labels"])
-        self.log("train_loss", loss)
+        if self.log_loss:
+            self.log("train_loss", loss)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -385,6 +393,12 @@ def run_lightning(spec: Spec) -> dict:
         capturable = spec.cuda
     elif v.startswith("callback"):
         callbacks.append(CudaGraphCallback(nan_guard=False) if v == "callback_noguard" else CudaGraphCallback())
+        if v not in ("callback", "callback_noguard", "callback_hostread", "callback_nolog", "callback_guard_serial"):
+            raise ValueError(f"unknown variant {v!r}; choose one of {sorted(VARIANTS)}")
+        if v == "callback_guard_serial":  # this child process only
+            from nemo_cudagraph_plugin.core.nan_guard import NanGuard
+
+            NanGuard.overlap_backward = lambda self, bucket_bytes=0: []
         if not spec.cuda:
             out["notes"].append("CPU: the callback trains eagerly (no CUDA)")
     elif v == "strategy":
@@ -401,7 +415,7 @@ def run_lightning(spec: Spec) -> dict:
 
     _free(spec.cuda)
     pl.seed_everything(spec.seed, verbose=False)
-    module = BenchModule(cfg, optim=spec.optim, capturable=capturable)
+    module = BenchModule(cfg, optim=spec.optim, capturable=capturable, log=not v.endswith("_nolog"))
     if compile_mode is not None:
         module.model = torch.compile(module.model, **({} if compile_mode == "default" else {"mode": compile_mode}))
     probe = StepProbe(spec)

@@ -354,6 +354,50 @@ def test_nan_guard_loss_mode_and_skip_flag():
     assert g.check(raise_on_bad=False) is None  # cleared
 
 
+class _LateCopy:
+    """A snapshot's host copy the GPU has not written yet (``query`` False) until ``ready`` or a wait."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.ready
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.ready = True
+
+
+def test_nan_guard_snapshot_reads_without_waiting(monkeypatch):
+    import nemo_cudagraph_plugin.core.nan_guard as ng
+
+    copies = []
+    monkeypatch.setattr(ng, "_copied", lambda device: copies.append(_LateCopy()) or copies[-1])
+    a = torch.nn.Parameter(torch.ones(2))
+    g = NanGuard([("a", a)], torch.device("cpu"), "full")
+    a.grad = torch.tensor([float("inf"), 0.0])
+    g.observe_grads()
+    g.snapshot("in window 1")
+    assert g.read_pending and float(g.grad_bad.sum()) == 0.0  # cleared in stream order: the next window starts at 0
+    assert g.poll() is None and g.read_pending  # not written yet: no wait, no report
+    copies[-1].ready = True
+    with pytest.raises(NonFiniteError, match="'a' in window 1") as ei:
+        g.poll()
+    assert ei.value.parameter == "a" and not g.read_pending and copies[-1].waited == 0
+    # A snapshot still unread when the next one is due is waited for and reported first.
+    g.observe_loss(torch.tensor(float("nan")))
+    g.snapshot("in window 2")
+    a.grad = torch.tensor([1.0, 2.0])
+    g.observe_grads()
+    with pytest.raises(NonFiniteError, match="non-finite loss in window 2"):
+        g.snapshot("in window 3")
+    assert copies[1].waited == 1
+    # check() reads synchronously, after any queued snapshot
+    g.snapshot("in window 3")
+    assert g.check(raise_on_bad=False) is None and not g.read_pending
+
+
 def test_nan_guard_partial_gradients_use_index_plan():
     a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
     g = NanGuard([("a", a), ("b", b), ("c", c)], torch.device("cpu"), "full")

@@ -503,6 +503,34 @@ def test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay():
     assert "global step 4 up to 8" in str(info.value)
 
 
+def test_nan_guard_read_is_reported_by_the_first_step_after_the_gpu_wrote_it(monkeypatch):
+    """The guard's read every N steps is queued (no host sync); the runner reports it at the first later step
+    whose event query says the copy is written, naming the window of the snapshot, not of that step."""
+    import nemo_cudagraph_plugin.core.nan_guard as ng
+
+    class WrittenAtSecondQuery:
+        def __init__(self):
+            self.queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries >= 2
+
+        def synchronize(self):
+            raise AssertionError("the runner waited for a snapshot instead of polling it")
+
+    monkeypatch.setattr(ng, "_copied", lambda device: WrittenAtSecondQuery())
+    name = "model.blocks.0.mlp.fc.weight"
+    rec = Rec()
+    with pytest.raises(NonFiniteError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_check_every": 4}, callbacks=[rec])
+    assert info.value.parameter == name and "global step 4 up to 8" in str(info.value), str(info.value)
+    # steps 1-8 ended (the snapshot at the end of step 8 was not written yet); the 9th step's end read it
+    assert rec.steps == [1, 2, 3, 4, 5, 6, 7, 8], rec.steps
+
+
 # ----------------------------------------------------------------------------------------------------------
 # refusals and options (no graph needed)
 # ----------------------------------------------------------------------------------------------------------

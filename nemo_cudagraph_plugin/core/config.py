@@ -36,8 +36,10 @@ class CaptureConfig:
             ``"eager"`` warns once and trains eagerly from then on.
         nan_guard: ``True``/``"full"``: device-side finite check of the loss and of every
             parameter's gradient (before clipping) each step; ``"loss"``: the loss only (free);
-            ``False``: off. Read on the host every ``nan_check_every`` steps and at epoch end.
-        nan_check_every: steps between host reads of the NaN flag (each read is one sync).
+            ``False``: off. Read every ``nan_check_every`` steps (queued, no host sync) and at epoch end.
+        nan_check_every: steps between reads of the NaN flags. Each read is queued (a pinned copy and an
+            event) and reported by the first later step that finds it written, usually one or two steps
+            later; the reads at epoch and fit end wait (one sync each).
         nan_action: ``"raise"`` stops with :class:`NonFiniteError` naming the parameter;
             ``"skip"`` skips the optimizer update on the device (fused Adam/AdamW/SGD ``found_inf``)
             and reports how many steps were skipped.

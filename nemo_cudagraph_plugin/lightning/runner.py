@@ -169,7 +169,11 @@ class LightningStepRunner:
         # guard's accumulators (written by a Triton kernel) are listed because the dispatcher does not see them.
         self._mutable = [lambda: list(pl_module.buffers())]
         if self.guard is not None:
-            self._mutable.append(self.guard.state_tensors)
+            guard = self.guard
+            self._mutable.append(guard.state_tensors)
+            # A step that writes fresh gradients (no accumulation) checks them beside the rest of backward.
+            self._hooks.extend(guard.overlap_backward())
+            self.engine.capture_contexts.append(lambda: guard.overlapped(self._fresh))
         self.engine.mutable_fn = lambda: [t for fn in self._mutable for t in fn()]
         self.engine.guards.append(self._hyperparam_guard)
         self.engine.after_replay = self._after_replay
@@ -283,8 +287,12 @@ class LightningStepRunner:
         )
         logs.emit(token, values)
         self._steps += 1
-        if self.guard is not None and self._steps % self.config.nan_check_every == 0:
-            self.check_nan()
+        guard = self.guard
+        if guard is not None:
+            if guard.read_pending:
+                self._nan_report(guard.poll(raise_on_bad=self.config.nan_action == "raise"))
+            if self._steps % self.config.nan_check_every == 0:
+                self.snapshot_nan()
         return out
 
     def _recorded(self, call: Callable[[], Any], quiet: bool) -> Any:
@@ -362,17 +370,29 @@ class LightningStepRunner:
                 p.grad = g
         self.engine.dirty = True
 
-    def check_nan(self) -> None:
-        """Read the NaN guard (one host sync); raise or report."""
-        if self.guard is None:
-            return
+    def _window(self) -> str:
         gs = self.trainer.global_step if self.trainer is not None else self._steps
         window = f"in the optimizer steps after global step {self._checked_at} up to {gs}"
         self._checked_at = gs
-        report = self.guard.check(raise_on_bad=self.config.nan_action == "raise", window=window)
-        self.stats.skipped_steps = self.guard.skipped_steps() if self.config.nan_action == "skip" else 0
+        return window
+
+    def snapshot_nan(self) -> None:
+        """Queue a read of the NaN guard (no host sync); a later step's :meth:`run` reports it once written."""
+        guard = self.guard
+        guard.snapshot(self._window())
+        self._nan_report(guard.poll(raise_on_bad=self.config.nan_action == "raise"))  # a CPU device: ready now
+
+    def check_nan(self) -> None:
+        """Read the NaN guard now (one host sync; epoch and fit end); raise or report."""
+        if self.guard is None:
+            return
+        self._nan_report(self.guard.check(raise_on_bad=self.config.nan_action == "raise", window=self._window()))
+
+    def _nan_report(self, report: Optional[str]) -> None:
+        # Skip mode: the guard's reads carry the count of skipped updates (no extra sync for it).
+        self.stats.skipped_steps = self.guard.skipped_read if self.config.nan_action == "skip" else 0
         if report is not None:
-            warnings.warn(f"{report} The optimizer update of those steps was skipped.", stacklevel=2)
+            warnings.warn(f"{report} The optimizer update of those steps was skipped.", stacklevel=3)
 
     def portable_checkpoint(self, checkpoint: dict) -> None:
         """Write floats (not device tensors) for lr/betas into a checkpoint being saved."""

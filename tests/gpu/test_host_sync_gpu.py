@@ -4,8 +4,8 @@
 blocking copies, ``torch.cuda.synchronize`` through a stream) raise ``RuntimeError: called a synchronizing CUDA
 operation``. The window opens in ``on_train_batch_start`` of a step well after the capture and closes in
 ``on_train_batch_end`` of its last step, so it covers the replays, the plugin's host work between them (log
-re-emission, counters, hyperparameter sync) and Lightning's loop. The NaN guard's host read is moved out of the
-window (``nan_check_every`` larger than the run) except in the test that counts it.
+re-emission, counters, hyperparameter sync) and Lightning's loop. The NaN guard's read is moved out of the
+window (``nan_check_every`` larger than the run) except in the test that shows its queued read does not sync.
 
 Each armed window first proves the mode is live (one deliberate sync must raise / warn), and
 ``test_per_step_host_read_in_the_window_is_detected`` shows the same mechanism catches a per-step
@@ -14,7 +14,6 @@ Each armed window first proves the mode is live (one deliberate sync must raise 
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import lightning.pytorch as pl
@@ -181,16 +180,15 @@ def test_per_step_host_read_in_the_window_is_detected():
     assert torch.cuda.get_sync_debug_mode() == 0, "the window did not disarm after the exception"
 
 
-def test_syncs_only_at_nan_checks():
-    """With the NaN guard read every N steps: at most one sync per N replayed steps, none in the others."""
+def test_nan_checks_do_not_sync_either():
+    """With the NaN guard read every N steps: its read is queued (pinned copy + event, polled later), so no
+    replayed step syncs, the steps with a read included."""
     every = 5
     cb = CudaGraphCallback(nan_check_every=every)
     window = SyncWindow(cb, "warn")
     _fit("fp32", cb, [window])
     assert window.closed and window.replays == STOP - START, cb.stats.summary()
-    n = STOP - START
     syncing = {i: c for i, c in window.syncs.items() if c}
     print(f"\nSYNCS in replayed steps {START}-{STOP - 1} with nan_check_every={every}: {syncing or 'none'}")
     assert set(window.syncs) == set(range(START, STOP))
-    assert len(syncing) <= math.ceil(n / every), f"syncs in {len(syncing)} of {n} steps: {syncing}"
-    assert all(c == 1 for c in syncing.values()), f"a NaN check costs one sync; got {syncing}"
+    assert not syncing, f"host syncs in replayed steps (NaN-guard reads every {every} steps): {syncing}"
