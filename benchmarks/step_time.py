@@ -74,8 +74,6 @@ VARIANTS: dict[str, str] = {
                      "from the wheel; optimizer built with `capturable=True` (NeMo needs it and does not set it)",
     "callback": "`CudaGraphCallback()` (NaN guard on, `nan_check_every=50`)",
     "callback_noguard": "`CudaGraphCallback(nan_guard=False)`: what the guard costs",
-    "callback_guard_serial": "`callback` with the guard's gradient check after backward instead of beside it (this "
-                             "child process turns `NanGuard.overlap_backward` off): what the overlap saves",
     "nemo_callback_hostread": "`nemo_callback` + `float(outputs['loss'])` in on_train_batch_end every step (what a "
                               "progress bar costs)",
     "callback_hostread": "`callback` + the same per-step host read of the loss",
@@ -393,12 +391,8 @@ def run_lightning(spec: Spec) -> dict:
         capturable = spec.cuda
     elif v.startswith("callback"):
         callbacks.append(CudaGraphCallback(nan_guard=False) if v == "callback_noguard" else CudaGraphCallback())
-        if v not in ("callback", "callback_noguard", "callback_hostread", "callback_nolog", "callback_guard_serial"):
+        if v not in ("callback", "callback_noguard", "callback_hostread", "callback_nolog"):
             raise ValueError(f"unknown variant {v!r}; choose one of {sorted(VARIANTS)}")
-        if v == "callback_guard_serial":  # this child process only
-            from nemo_cudagraph_plugin.core.nan_guard import NanGuard
-
-            NanGuard.overlap_backward = lambda self, bucket_bytes=0: []
         if not spec.cuda:
             out["notes"].append("CPU: the callback trains eagerly (no CUDA)")
     elif v == "strategy":

@@ -181,11 +181,8 @@ class FiniteCheck:
         for ids in groups.values():
             need = table_length([tensors[i].numel() for i in ids], block, iters)
             part = table[offset: offset + need] if table is not None and offset + need <= table.numel() else None
-            # The next part starts 16-byte aligned: Triton specialises a kernel on its pointers' alignment, and a
-            # capture must launch the variant its eager warm-up compiled.
-            offset += need + (need & 1) if part is not None else 0
+            offset += need if part is not None else 0
             self.launches.append(_Launch([tensors[i] for i in ids], [slots[i] for i in ids], block * iters, part))
-        self.table_used = offset  # int64 entries of ``table`` taken (even)
         self._fallback: list[tuple[list[Tensor], Optional[Tensor], Optional[Tensor]]] = []
         for ids in rest.values():
             ts = [tensors[i] for i in ids]

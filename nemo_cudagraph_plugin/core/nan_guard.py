@@ -16,10 +16,8 @@ slot to its parameter's name. At epoch and fit end :meth:`NanGuard.check` reads 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -32,32 +30,6 @@ __all__ = ["NanGuard"]
 
 # Checks kept for gradient sets seen only in eager steps (a graph's checks are never dropped).
 _MAX_EAGER_CHECKS = 8
-
-
-class _Buckets:
-    """One capture's overlapped checks: gradients ready but not yet checked, and the checks launched."""
-
-    __slots__ = ("ready", "ready_bytes", "checks", "done")
-
-    def __init__(self) -> None:
-        self.ready: list[int] = []
-        self.ready_bytes = 0
-        self.checks: list[FiniteCheck] = []
-        self.done: set[int] = set()
-
-
-class _Group:
-    """The checks of one captured step's gradients, kept together (the graph reads their tables); run in
-    order when an eager step meets the same gradients."""
-
-    __slots__ = ("checks",)
-
-    def __init__(self, checks: list[FiniteCheck]) -> None:
-        self.checks = checks
-
-    def run(self, acc: Tensor, step_acc: Optional[Tensor] = None) -> None:
-        for check in self.checks:
-            check.run(acc, step_acc)
 
 
 def _copied(device: torch.device) -> Any:
@@ -96,17 +68,8 @@ class NanGuard:
         self._in_graph: set[tuple[tuple[int, int], ...]] = set()
         # Metadata memory for the next check built during a capture, allocated in an eager step (outside any graph
         # pool; every capture follows an eager warm-up of its key) and written after that capture.
-        # (Room for one 16-byte alignment pad per tensor: checks of buckets take consecutive slices of it.)
-        self._table_len = table_length([p.numel() for p in self.params]) + 2 * len(self.params) + 2
+        self._table_len = table_length([p.numel() for p in self.params])
         self._spare: Optional[Tensor] = None
-        self._spare_off = 0
-        # Checks launched on a side stream while a captured backward still runs (see overlap_backward).
-        self._side: Optional[Any] = None
-        self._bucket_bytes = 0
-        self._buckets: Optional[_Buckets] = None
-        self._retired: list[Any] = []
-        self._with_step = False  # skip mode: counts also go into _step_bad (a kernel variant: fixed per run)
-        self.side_checks = 0  # checks the last capture ran beside backward (on the side stream)
         self._pending: list[FiniteCheck] = []
         # The queued host read (snapshot): pinned host copy of [loss_sum, skipped, grad_bad...], its event, window.
         self._read: Optional[tuple[Tensor, Any, str]] = None
@@ -126,27 +89,26 @@ class NanGuard:
         """
         if self.mode != "full" and found_inf is None:
             return
-        self._with_step = found_inf is not None
         grads = [p.grad for p in self.params]
         key = tuple((i, g.data_ptr()) for i, g in enumerate(grads) if g is not None)
         if not key:
             return
-        in_capture = capturing(self.device)
-        if in_capture and self._buckets is not None and self._buckets.checks:
-            self._join_buckets(key, grads, found_inf)
-            return
         check = self._checks.get(key)
+        in_capture = capturing(self.device)
         if check is None:
             if not in_capture and len(self._checks) - len(self._in_graph) >= _MAX_EAGER_CHECKS:
                 # Eager steps that re-allocate gradients (zero_grad(set_to_none=True)) may see new addresses.
                 old = next(k for k in self._checks if k not in self._in_graph)
                 del self._checks[old]
-            check = self._checks[key] = self._new_check([i for i, _ in key], in_capture)
+            table = self._spare if in_capture else None
+            check = self._checks[key] = FiniteCheck([grads[i] for i, _ in key], [i for i, _ in key], table=table)
+            if table is not None:
+                self._spare = None
+                self._pending.append(check)
         if in_capture:
             self._in_graph.add(key)
         elif self._spare is None and self.device.type == "cuda":
             self._spare = torch.empty(self._table_len, dtype=torch.int64, device=self.device)
-            self._spare_off = 0
         if found_inf is None:
             check.run(self.grad_bad)
             return
@@ -156,98 +118,11 @@ class NanGuard:
         found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
         self.skipped.add_(bad)
 
-    def _new_check(self, ids: list[int], in_capture: bool) -> FiniteCheck:
-        """A check of these parameters' gradients; built during a capture, its table is the next slice of the spare."""
-        table = self._spare[self._spare_off:] if in_capture and self._spare is not None else None
-        check = FiniteCheck([self.params[i].grad for i in ids], ids, table=table)
-        if table is not None:
-            self._spare_off += check.table_used
-            self._pending.append(check)
-        return check
-
-    # -- checks overlapped with a captured backward ----------------------------------------------
-    def overlap_backward(self, bucket_bytes: int = 0) -> list[Any]:
-        """Let captures check gradients while backward still runs; returns the hook handles (remove them to undo).
-
-        Within :meth:`overlapped` (entered around the capture of a step that writes fresh gradients), each
-        parameter's post-accumulate-grad hook collects its gradient; every ``bucket_bytes`` of gradients (default:
-        an eighth of all) are checked on a side stream that forked from backward there, so the graph runs the
-        check beside the rest of backward instead of after it. :meth:`observe_grads` checks what is left and joins
-        the side stream (before clipping and the update read the gradients). Eager steps are unchanged.
-        """
-        if self.mode != "full" or self.device.type != "cuda":
-            return []
-        total = sum(p.numel() * p.element_size() for p in self.params)
-        self._bucket_bytes = bucket_bytes or max(total // 8, 1)
-        return [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
-                for i, p in enumerate(self.params)]
-
-    @contextlib.contextmanager
-    def overlapped(self, enabled: bool = True) -> Iterator[None]:
-        """Around a capture whose backward writes every gradient fresh (no accumulation across steps)."""
-        if not enabled or not self._bucket_bytes or self._spare is None:
-            yield
-            return
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._buckets = _Buckets()
-        try:
-            yield
-        finally:
-            self._buckets = None
-
-    def _grad_ready(self, i: int, p: Tensor) -> None:
-        b = self._buckets
-        if b is None or p.grad is None:
-            return
-        b.ready.append(i)
-        b.ready_bytes += p.grad.numel() * p.grad.element_size()
-        if b.ready_bytes >= self._bucket_bytes:
-            self._launch_bucket(b)
-
-    def _launch_bucket(self, b: _Buckets) -> None:
-        ids, b.ready, b.ready_bytes = b.ready, [], 0
-        check = self._new_check(ids, in_capture=True)
-        main = torch.cuda.current_stream(self.device)
-        side = self._side
-        side.wait_stream(main)  # fork here: these gradients are final
-        with torch.cuda.stream(side):
-            if not self._with_step:
-                check.run(self.grad_bad)
-            else:
-                if not b.checks:
-                    self._step_bad.zero_()  # before this step's first count
-                check.run(self.grad_bad, self._step_bad)
-        b.checks.append(check)
-        b.done.update(ids)
-
-    def _join_buckets(self, key: tuple, grads: list[Optional[Tensor]], found_inf: Optional[Tensor]) -> None:
-        b = self._buckets
-        torch.cuda.current_stream(self.device).wait_stream(self._side)  # join before clipping/update
-        rest = [i for i, g in enumerate(grads) if g is not None and i not in b.done]
-        checks = list(b.checks)
-        if rest:
-            check = self._new_check(rest, in_capture=True)
-            check.run(self.grad_bad, self._step_bad if found_inf is not None else None)
-            checks.append(check)
-        self.side_checks = len(b.checks)
-        old = self._checks.get(key)
-        if old is not None and key in self._in_graph:
-            self._retired.append(old)  # an older graph still launches it: keep its tables
-        self._checks[key] = _Group(checks)
-        self._in_graph.add(key)
-        b.checks.clear()
-        if found_inf is not None:
-            bad = self._step_bad > 0
-            found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
-            self.skipped.add_(bad)
-
     def after_capture(self) -> None:
         """Write the metadata of the checks built during the capture that just ended (before its first replay)."""
         for check in self._pending:
             check.fill()
         self._pending.clear()
-        self._spare = None  # its slices belong to this capture's checks; the next warm-up allocates another
 
     def state_tensors(self) -> list[Tensor]:
         """The accumulators (a verification run restores them: the Triton kernel bypasses torch's dispatcher)."""

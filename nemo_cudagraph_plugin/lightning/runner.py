@@ -169,11 +169,7 @@ class LightningStepRunner:
         # guard's accumulators (written by a Triton kernel) are listed because the dispatcher does not see them.
         self._mutable = [lambda: list(pl_module.buffers())]
         if self.guard is not None:
-            guard = self.guard
-            self._mutable.append(guard.state_tensors)
-            # A step that writes fresh gradients (no accumulation) checks them beside the rest of backward.
-            self._hooks.extend(guard.overlap_backward())
-            self.engine.capture_contexts.append(lambda: guard.overlapped(self._fresh))
+            self._mutable.append(self.guard.state_tensors)
         self.engine.mutable_fn = lambda: [t for fn in self._mutable for t in fn()]
         self.engine.guards.append(self._hyperparam_guard)
         self.engine.after_replay = self._after_replay
