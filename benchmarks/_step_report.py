@@ -355,6 +355,10 @@ def profile_text(profiles: list[dict], top: int = 30) -> str:
             out.append(f"   {'count/step':>10s} {'µs/step':>10s}  kernel")
             for name, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
                 out.append(f"   {c:10.1f} {us:10.1f}  {name[:110]}")
+            if p.get("host_profile"):
+                out.append(f"   host (cProfile, per step): {'calls':>7s} {'own µs':>9s} {'incl µs':>9s}  function")
+                for r in p["host_profile"]:
+                    out.append(f"   {'':26s} {r['calls']:7.1f} {r['own_us']:9.1f} {r['incl_us']:9.1f}  {r['fn'][:100]}")
             out.append("")
         ok = [p for p in ps if p.get("profile")]
         if len(ok) >= 2:

@@ -39,9 +39,11 @@ _T0 = time.perf_counter()
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import cProfile  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import pstats  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -129,6 +131,7 @@ class Spec:
     device: str = "cuda"
     profile_from: int = 60
     profile_steps: int = 0
+    host_profile: bool = False
     nemo_wheel: str = ""
 
     @property
@@ -263,6 +266,9 @@ class StepProbe(pl.Callback):
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.prof = Profiler(spec.cuda, spec.profile_from, spec.profile_steps) if spec.profile_steps else None
+        # cProfile of the host over the same steps (this probe is the last callback: its window holds the whole
+        # training step); it slows the host, so a profile run's wall time is not a timing.
+        self.hprof = cProfile.Profile() if spec.host_profile and spec.profile_steps else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         s = self.spec
@@ -275,11 +281,15 @@ class StepProbe(pl.Callback):
             self.t0 = time.perf_counter()
         if self.prof is not None and batch_idx == s.profile_from:
             self.prof.start()
+        if self.hprof is not None and s.profile_from <= batch_idx < s.profile_from + s.profile_steps:
+            self.hprof.enable()
         if batch_idx >= s.measure_from:
             self.starts.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         s = self.spec
+        if self.hprof is not None:
+            self.hprof.disable()
         if batch_idx >= s.measure_from:
             self.ends.append(time.perf_counter())
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -322,7 +332,20 @@ class StepProbe(pl.Callback):
         out.update(_host_times(self.starts, self.ends))
         if self.prof is not None:
             out["profile"] = self.prof.result
+        if self.hprof is not None:
+            out["host_profile"] = host_profile_rows(self.hprof, s.profile_steps)
         return out
+
+
+def host_profile_rows(prof: cProfile.Profile, steps: int, top: int = 40) -> list[dict]:
+    """The ``top`` functions by own time: calls, own and inclusive µs, per profiled step."""
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_, calls, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        where = file.split("site-packages/")[-1].replace(str(REPO) + "/", "")
+        rows.append({"fn": f"{where}:{line}({name})", "calls": calls / steps, "own_us": tt * 1e6 / steps,
+                     "incl_us": ct * 1e6 / steps})
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
 
 
 class HostRead(pl.Callback):
@@ -630,6 +653,8 @@ def _child_cmd(args: argparse.Namespace, variant: str, preset: str, rnd: int, js
            "--nemo-wheel", str(args.nemo_wheel)]
     if profile:
         cmd += ["--profile-run", "--profile-steps", str(args.profile_steps)]
+        if args.host_profile:
+            cmd.append("--host-profile")
     return cmd
 
 
@@ -752,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-presets", nargs="*", default=None, help="default: --presets")
     p.add_argument("--profile-from", type=int, default=60)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--host-profile", action="store_true",
+                   help="profile runs also record a cProfile of the host over the same steps (top functions by own "
+                        "time per step, in profile.txt): where a host-bound step's time goes")
     p.add_argument("--out", type=Path, default=None, help="default benchmarks/results (dry run: build/step_time_dry_run)")
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="launch no process that would end past this many seconds (estimated); 0: no limit")
@@ -781,7 +809,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     measure_from=args.measure_from, sync_from=args.sync_from, precision=args.precision,
                     optim=args.optim, seed=args.seed, device=args.device, profile_from=args.profile_from,
                     profile_steps=args.profile_steps if args.profile_run else 0,
-                    nemo_wheel=str(args.nemo_wheel))
+                    host_profile=args.host_profile, nemo_wheel=str(args.nemo_wheel))
         return child_main(spec, args.json)
     if args.dry_run:
         args.device = "cpu"
