@@ -286,7 +286,7 @@ class LightningStepRunner:
         guard = self.guard
         if guard is not None:
             if guard.read_pending:
-                self._nan_report(guard.poll(raise_on_bad=self.config.nan_action == "raise"))
+                self._nan_report(guard.poll(raise_on_bad=self._raise_on_nan))
             if self._steps % self.config.nan_check_every == 0:
                 self.snapshot_nan()
         return out
@@ -366,6 +366,10 @@ class LightningStepRunner:
                 p.grad = g
         self.engine.dirty = True
 
+    @property
+    def _raise_on_nan(self) -> bool:
+        return self.config.nan_action == "raise"
+
     def _window(self) -> str:
         gs = self.trainer.global_step if self.trainer is not None else self._steps
         window = f"in the optimizer steps after global step {self._checked_at} up to {gs}"
@@ -376,13 +380,13 @@ class LightningStepRunner:
         """Queue a read of the NaN guard (no host sync); a later step's :meth:`run` reports it once written."""
         guard = self.guard
         guard.snapshot(self._window())
-        self._nan_report(guard.poll(raise_on_bad=self.config.nan_action == "raise"))  # a CPU device: ready now
+        self._nan_report(guard.poll(raise_on_bad=self._raise_on_nan))  # a CPU device: ready now
 
     def check_nan(self) -> None:
         """Read the NaN guard now (one host sync; epoch and fit end); raise or report."""
         if self.guard is None:
             return
-        self._nan_report(self.guard.check(raise_on_bad=self.config.nan_action == "raise", window=self._window()))
+        self._nan_report(self.guard.check(raise_on_bad=self._raise_on_nan, window=self._window()))
 
     def _nan_report(self, report: Optional[str]) -> None:
         # Skip mode: the guard's reads carry the count of skipped updates (no extra sync for it).
