@@ -335,6 +335,16 @@ def profile_text(profiles: list[dict], top: int = 30) -> str:
         by_preset[p["preset"]].append(p)
     for preset, ps in by_preset.items():
         for p in ps:
+            if p.get("host_profile") and not p.get("profile"):  # a --host-profile run: the host only
+                st = p.get("setup", {})
+                first = st.get("profile_from", 0)
+                out.append(f"== {preset} / {p['variant']}: host (cProfile), steps {first}–{first + st.get('profile_steps', 0) - 1},"
+                           " whole loop iterations, per step")
+                out.append(f"   {'calls':>7s} {'own µs':>9s} {'incl µs':>9s}  function")
+                for r in p["host_profile"]:
+                    out.append(f"   {r['calls']:7.1f} {r['own_us']:9.1f} {r['incl_us']:9.1f}  {r['fn'][:110]}")
+                out.append("")
+                continue
             if not p.get("profile"):
                 out.append(f"== {preset} / {p['variant']}: no profile ({p.get('error')})\n")
                 continue

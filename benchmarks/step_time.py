@@ -133,6 +133,7 @@ class Spec:
     profile_steps: int = 0
     host_profile: bool = False
     nemo_wheel: str = ""
+    pin_cpu: int = -1
 
     @property
     def cuda(self) -> bool:
@@ -245,6 +246,23 @@ class Profiler:
                        "wall_ms_per_step": wall * 1e3 / self.steps, "kernels": kernels}
 
 
+def gpu_local_core() -> int:
+    """A core this process may use that sysfs lists as local to GPU 0 (the middle one); any allowed core otherwise."""
+    allowed = sorted(os.sched_getaffinity(0))
+    local: set[int] = set()
+    try:
+        bus = subprocess.check_output(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+                                      text=True).strip().lower()
+        text = Path(f"/sys/bus/pci/devices/{bus[-12:]}/local_cpulist").read_text()
+        for part in text.strip().split(","):
+            a, _, b = part.partition("-")
+            local.update(range(int(a), int(b or a) + 1))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    cores = [c for c in allowed if c in local] or allowed
+    return cores[len(cores) // 2]
+
+
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
@@ -265,9 +283,11 @@ class StepProbe(pl.Callback):
         self.t1: Optional[float] = None
         self.starts: list[float] = []
         self.ends: list[float] = []
-        self.prof = Profiler(spec.cuda, spec.profile_from, spec.profile_steps) if spec.profile_steps else None
-        # cProfile of the host over the same steps (this probe is the last callback: its window holds the whole
-        # training step); it slows the host, so a profile run's wall time is not a timing.
+        # A host profile runs without the kernel profiler: its per-launch bookkeeping would be most of the host time.
+        self.prof = (Profiler(spec.cuda, spec.profile_from, spec.profile_steps)
+                     if spec.profile_steps and not spec.host_profile else None)
+        # cProfile of the host over the same steps, whole loop iterations (batch start to the next batch start); it
+        # slows the host, so a profile run's wall time is not a timing.
         self.hprof = cProfile.Profile() if spec.host_profile and spec.profile_steps else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -281,15 +301,15 @@ class StepProbe(pl.Callback):
             self.t0 = time.perf_counter()
         if self.prof is not None and batch_idx == s.profile_from:
             self.prof.start()
-        if self.hprof is not None and s.profile_from <= batch_idx < s.profile_from + s.profile_steps:
-            self.hprof.enable()
+        if self.hprof is not None and batch_idx == s.profile_from:
+            self.hprof.enable()  # whole iterations: the loop's own work between steps (fetch, transfer) included
+        if self.hprof is not None and batch_idx == s.profile_from + s.profile_steps:
+            self.hprof.disable()
         if batch_idx >= s.measure_from:
             self.starts.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         s = self.spec
-        if self.hprof is not None:
-            self.hprof.disable()
         if batch_idx >= s.measure_from:
             self.ends.append(time.perf_counter())
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -313,6 +333,8 @@ class StepProbe(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.sync.disarm()
+        if self.hprof is not None:
+            self.hprof.disable()
 
     def on_exception(self, trainer, pl_module, exception):
         self.sync.disarm()  # before Lightning's teardown syncs
@@ -469,7 +491,7 @@ def run_lightning(spec: Spec) -> dict:
         with torch.no_grad(), torch.autocast(module.device.type, dtype=torch.bfloat16, enabled="mixed" in spec.precision):
             module.log = lambda *a, **k: None  # outside a loop: nothing to log into
             out["one_arg_training_step_loss"] = float(module.training_step(batch))
-    if spec.profile_steps and out.get("profile") is None:
+    if spec.profile_steps and not spec.host_profile and out.get("profile") is None:
         out["notes"].append("profile window not reached")
     return out
 
@@ -621,6 +643,8 @@ def child_main(spec: Spec, json_path: Path) -> int:
     try:
         if spec.cuda and not torch.cuda.is_available():
             raise RuntimeError("no CUDA device in this process")
+        if spec.pin_cpu >= 0:
+            os.sched_setaffinity(0, {spec.pin_cpu})  # every variant on the same core: less process-to-process noise
         rec["env"] = env_info(spec)
         if spec.variant in ("raw_graph", "floor"):
             if spec.variant == "raw_graph":
@@ -650,7 +674,7 @@ def _child_cmd(args: argparse.Namespace, variant: str, preset: str, rnd: int, js
            "--json", str(json_path), "--steps", str(args.steps), "--measure-from", str(args.measure_from),
            "--sync-from", str(args.sync_from), "--precision", args.precision, "--optim", args.optim,
            "--seed", str(args.seed), "--device", args.device, "--profile-from", str(args.profile_from),
-           "--nemo-wheel", str(args.nemo_wheel)]
+           "--nemo-wheel", str(args.nemo_wheel), "--pin-cpu", str(args.pin_cpu)]
     if profile:
         cmd += ["--profile-run", "--profile-steps", str(args.profile_steps)]
         if args.host_profile:
@@ -683,7 +707,7 @@ def parent_main(args: argparse.Namespace) -> int:
     profiles: list[dict] = []
     durations: dict[str, list[float]] = {}
     t_start = time.perf_counter()
-    print(f"step_time: {len(plan)} processes; setup {args.precision}, {args.optim}, {args.steps} steps, window "
+    print(f"step_time: {len(plan)} processes; setup {args.precision}, children on core {args.pin_cpu if args.pin_cpu >= 0 else 'any'}, {args.optim}, {args.steps} steps, window "
           f"{args.measure_from}-{args.steps - 1}; budget {args.budget_s or 'none'} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp, log_path.open("w") as log:
         for k, (kind, rnd, preset, variant) in enumerate(plan):
@@ -778,8 +802,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-from", type=int, default=60)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--host-profile", action="store_true",
-                   help="profile runs also record a cProfile of the host over the same steps (top functions by own "
-                        "time per step, in profile.txt): where a host-bound step's time goes")
+                   help="profile runs record a cProfile of the host over the same steps instead of the kernels (top "
+                        "functions by own time per step, in profile.txt): where a host-bound step's time goes")
+    p.add_argument("--pin-cpu", default="-1", metavar="CORE",
+                   help="run every child on this CPU core only (sched_setaffinity); 'gpu': one of the cores the GPU's "
+                        "PCI device lists as local (sysfs); -1: wherever the OS puts it")
     p.add_argument("--out", type=Path, default=None, help="default benchmarks/results (dry run: build/step_time_dry_run)")
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="launch no process that would end past this many seconds (estimated); 0: no limit")
@@ -809,7 +836,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     measure_from=args.measure_from, sync_from=args.sync_from, precision=args.precision,
                     optim=args.optim, seed=args.seed, device=args.device, profile_from=args.profile_from,
                     profile_steps=args.profile_steps if args.profile_run else 0,
-                    host_profile=args.host_profile, nemo_wheel=str(args.nemo_wheel))
+                    host_profile=args.host_profile, nemo_wheel=str(args.nemo_wheel), pin_cpu=int(args.pin_cpu))
         return child_main(spec, args.json)
     if args.dry_run:
         args.device = "cpu"
@@ -820,6 +847,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("benchmarks/step_time.py needs a CUDA GPU (or --dry-run for the CPU check of the plumbing).")
         return 2
     args.out = args.out or REPO / "benchmarks" / "results"
+    args.pin_cpu = gpu_local_core() if args.pin_cpu == "gpu" else int(args.pin_cpu)
     if not 0 <= args.measure_from < args.steps or args.sync_from >= args.measure_from:
         raise SystemExit("need 0 <= --sync-from < --measure-from < --steps (or --sync-from -1)")
     return parent_main(args)

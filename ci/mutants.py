@@ -297,6 +297,28 @@ MUTANTS: list[Mutant] = [
            "        self.last_refreshed = 0",
            (GPU + "test_fp8_refresh_keeps_real_te_transposes_current_under_graphs",),
            "the FP8 refresh post-hook refreshes nothing (real TE Float8Tensor weights)"),
+    # -- the replayed step's host path (session 5) ------------------------------------------------------------
+    Mutant("fast-log-skips-count", "cpu", COMPAT,
+           "    metric._update_count += 1\n",
+           "    pass\n",
+           (LT + "test_fast_log_leaves_the_metric_as_lightnings_update[True-False-dtype0-shape0]",),
+           "the fast re-emission of self.log leaves torchmetrics' update count behind Lightning's"),
+    Mutant("fast-log-keeps-graph-output", "cpu", COMPAT,
+           "meta.sync(value.to(dtype, copy=True))",
+           "meta.sync(value.to(dtype))",
+           (LT + "test_fast_log_leaves_the_metric_as_lightnings_update[True-False-dtype0-shape0]",),
+           "a float32 value logged on step only is kept as the graph's output itself, which the next replay overwrites"),
+    Mutant("unflattener-reorders-dict", "cpu", "nemo_cudagraph_plugin/core/buffers.py",
+           "        return lambda it: {k: b(it) for k, b in zip(keys, subs)}",
+           "        return lambda it: {k: b(it) for k, b in zip(keys, reversed(subs))}",
+           ("tests/test_core.py::test_unflattener_rebuilds_what_unflatten_rebuilds[obj0]",),
+           "the per-structure output builder hands a nested dict's leaves to the wrong keys"),
+    Mutant("step-key-steps-every-batch", "cpu", COMPAT,
+           "    step = k == 1 or trainer.strategy",
+           "    step = True or trainer.strategy",
+           (LT + "test_graphed_fit_equals_eager_lightning_bitwise[3-6]",),
+           "the step key says every batch steps the optimizer: at k = 3 the middle and last batch of a window share a "
+           "graph"),
 ]
 
 

@@ -56,6 +56,25 @@ def test_flatten_unflatten_round_trip_nested_containers():
         assert a is c
 
 
+@pytest.mark.parametrize("obj", [
+    _batch(),
+    ({"loss": torch.ones(())}, [torch.zeros(()), torch.ones(2)], 3),  # the Lightning runner's step output
+    {"loss": torch.ones(()), "n": torch.zeros(2)},
+    torch.ones(2),
+    [Pair(torch.ones(1), Batch(torch.zeros(1), {}, "m")), ()],
+])
+def test_unflattener_rebuilds_what_unflatten_rebuilds(obj):
+    """The per-spec builder (used after every replay) equals the spec walk: same containers, leaves in order."""
+    from nemo_cudagraph_plugin.core.buffers import unflattener
+
+    leaves, spec = flatten(obj)
+    fresh = [t.clone() for t in leaves]
+    a, b = unflatten(spec, fresh), unflattener(spec)(fresh)
+    assert flatten(a)[1] == flatten(b)[1] == spec
+    assert all(x is y for x, y in zip(flatten(a)[0], flatten(b)[0]))
+    assert all(x is y for x, y in zip(flatten(b)[0], fresh))
+
+
 def test_signature_tracks_shape_dtype_and_non_tensor_leaves():
     sig = lambda b: signature_of(*flatten(b))  # noqa: E731
     assert sig(_batch()) == sig(_batch())

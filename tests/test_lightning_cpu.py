@@ -307,6 +307,49 @@ def test_python_values_logged_in_the_step_are_re_emitted_as_captured():
     assert g.metrics["batch_idx_py"] == 3.0 and e.metrics["batch_idx_py"] == 7.0
 
 
+@pytest.mark.parametrize("on_step,on_epoch,dtype,shape", [
+    (True, False, torch.float32, ()),  # a loss logged in training_step (Lightning's default there)
+    (True, False, torch.bfloat16, ()),  # a bf16-true module's loss: converted to the default dtype
+    (False, True, torch.float32, (1,)),  # accumulated for the epoch mean; a 1-element tensor is squeezed
+    (True, True, torch.float64, ()),
+])
+def test_fast_log_leaves_the_metric_as_lightnings_update(on_step, on_epoch, dtype, shape):
+    """The re-emission of a replayed step's self.log (``_compat.fast_log``) leaves Lightning's metric exactly as
+    Lightning's own update does (this is the check that the private fields it writes still mean the same)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    def collection():
+        r = _ResultCollection(training=True)
+        # the first call, as LightningModule.log makes it (a 1-element value squeezed)
+        r.log("training_step", "loss", torch.tensor(2.0, dtype=dtype), on_step=on_step,
+              on_epoch=on_epoch, batch_size=3)
+        return r
+
+    lightning_, ours = collection(), collection()
+    connector = SimpleNamespace(should_reset_tensors=lambda fx: False, _current_fx=None)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(_results=ours), _logger_connector=connector)
+    for v in (0.5, 0.25):
+        value = torch.tensor(v, dtype=dtype).reshape(shape)
+        lightning_.update_metrics("training_step.loss", value.clone().squeeze(), 3)
+        assert _compat.fast_log(trainer, "training_step", "training_step.loss", value, 3)
+        value.fill_(99.0)  # the next replay overwrites the graph's output: Lightning must have kept a copy
+        for r in (lightning_, ours):
+            r.metrics(on_step=False)  # computes (and caches) an epoch value: the next update must drop it
+    assert connector._current_fx == "training_step"
+    a, b = lightning_["training_step.loss"], ours["training_step.loss"]
+    state = {k for k, v in vars(a).items() if v is None or isinstance(v, (torch.Tensor, int, float, bool))}
+    assert {"value", "_forward_cache", "_update_count", "_computed", "has_reset"} <= state
+    for k in sorted(state):
+        x, y = getattr(a, k), getattr(b, k)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
+        else:
+            assert x == y, k
+    assert lightning_.metrics(on_step=on_step) == ours.metrics(on_step=on_step)
+
+
 def test_progress_delta_is_measured_per_phase_graph():
     seen = {}
 

@@ -91,14 +91,41 @@ def unflatten(spec: Hashable, leaves: list[torch.Tensor]) -> Any:
 
 
 def unflattener(spec: Hashable) -> Callable[[list[torch.Tensor]], Any]:
-    """:func:`unflatten` for one ``spec``, decided once: a flat dict of tensors (a training step's usual
-    ``{"loss": ...}``) or a lone tensor is rebuilt without walking the spec (a replayed step's host path)."""
+    """:func:`unflatten` for one ``spec``, decided once: the spec is walked here, not per call (a replayed
+    step's outputs are rebuilt with it after every replay)."""
     if spec == _T:
         return lambda leaves: leaves[0]
-    if spec[0] == "d" and all(s == _T for s in spec[2]):
+    if spec[0] == "d" and all(s == _T for s in spec[2]):  # {"loss": ...}: no walk at all
         keys = spec[1]
         return lambda leaves: dict(zip(keys, leaves))
-    return functools.partial(unflatten, spec)
+    build = _builder(spec)
+    return lambda leaves: build(iter(leaves))
+
+
+def _builder(spec: Hashable) -> Callable[[Any], Any]:
+    """A function of an iterator of leaves that rebuilds ``spec`` (as ``_unflatten`` does, leaves in order)."""
+    if spec == _T:
+        return next
+    kind = spec[0]
+    if kind == "c":
+        value = spec[1]
+        return lambda it: value
+    if kind == "r":
+        return functools.partial(_unflatten, spec)  # raises the same error, when called
+    if kind == "d":
+        keys, subs = spec[1], tuple(_builder(s) for s in spec[2])
+        return lambda it: {k: b(it) for k, b in zip(keys, subs)}
+    if kind in ("l", "t"):
+        subs = tuple(_builder(s) for s in spec[1])
+        seq = list if kind == "l" else tuple
+        return lambda it: seq([b(it) for b in subs])
+    if kind == "n":
+        cls, subs = spec[1], tuple(_builder(s) for s in spec[2])
+        return lambda it: cls(*[b(it) for b in subs])
+    if kind == "D":
+        cls, names, subs = spec[1], spec[2], tuple(_builder(s) for s in spec[3])
+        return lambda it: cls(**{n: b(it) for n, b in zip(names, subs)})
+    raise AssertionError(f"unknown spec node {spec!r}")
 
 
 def signature_of(leaves: list[torch.Tensor], spec: Hashable) -> Hashable:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype as _default_dtype
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from packaging.version import Version
 
 from ..core.warn import check_tested_version
@@ -41,6 +44,8 @@ __all__ = [
 
 LIGHTNING_VERSION = Version(pl.__version__.split("+")[0])
 _MIN = Version("2.4.0")
+_UPDATE = _ResultMetric.update  # the class's update; torchmetrics wraps each instance's `update`
+_FULL = (torch.float32, torch.float64)  # dtypes _ResultMetric.update keeps as they are
 _MAX_TESTED = Version("2.6.6")
 
 
@@ -95,7 +100,9 @@ def step_key(trainer: pl.Trainer, loop: Any, batch_idx: int) -> StepKey:
     """The :class:`StepKey` of this batch, decided exactly as ``run`` decides it."""
     k = trainer.accumulate_grad_batches
     zero = (not loop._skip_backward) and batch_idx % k == 0
-    step = trainer.strategy.handles_gradient_accumulation or not trainer.fit_loop._should_accumulate()
+    # At k == 1 every batch ends an accumulation window, so Lightning's _should_accumulate() is False: not asked
+    # (it walks several properties, on a replayed step's host path).
+    step = k == 1 or trainer.strategy.handles_gradient_accumulation or not trainer.fit_loop._should_accumulate()
     return StepKey(zero, step, k, (trainer.gradient_clip_val, trainer.gradient_clip_algorithm), str(trainer.precision))
 
 
@@ -155,28 +162,43 @@ def restorer(loop: Any, pl_module: pl.LightningModule) -> Callable[[], None]:
     return restore
 
 
-def fast_log(trainer: pl.Trainer, fx: str, name: str, value: Any, kwargs: dict) -> bool:
-    """Re-emit a ``self.log(name, value)`` already emitted once in this epoch, without the checks
-    and device moves ``LightningModule.log`` repeats on every call (about 1 ms of host time per call
-    on a slow host, mostly ``_ResultMetric.to``). Does what those calls would do for a registered,
-    unchanged metric: ``update_metrics`` with this step's batch size. Returns ``False`` (nothing
-    done) when the slow path is needed: first emission, a new epoch's reset, several dataloaders.
+def fast_log(trainer: pl.Trainer, fx: str, key: str, value: Any, batch_size: Optional[int]) -> bool:
+    """Re-emit a ``self.log(name, value)`` already emitted once in this epoch (``key`` is ``f"{fx}.{name}"``),
+    without the checks and device moves ``LightningModule.log`` repeats on every call (about 1 ms of host time per
+    call on a slow host, mostly ``_ResultMetric.to``). Does what those calls would do for a registered, unchanged
+    metric: ``update_metrics`` with this step's batch size. Returns ``False`` (nothing done) when the slow path is
+    needed: first emission, a new epoch's reset, several dataloaders.
 
-    ``value`` must be a fresh single-element tensor the caller owns (Lightning clones on update).
+    Called only inside a training step (the runner's), so the fit loop's result collection is the active one.
+    ``value`` must be a single-element tensor the next replay does not overwrite before Lightning copies it
+    (``_ResultMetric.update`` clones what it keeps).
     """
-    results = getattr(trainer, "_results", None)
-    if results is None or results.dataloader_idx is not None:
+    results = trainer.fit_loop._results  # what `trainer._results` returns while training, without its checks
+    if results.dataloader_idx is not None:
         return False
     connector = trainer._logger_connector
     if connector.should_reset_tensors(fx):
         return False
-    metric = results.get(f"{fx}.{name}")
-    if metric is None or metric.has_reset:
+    metric = results.get(key)
+    if metric is None or metric.has_reset or metric.compute_on_cpu:
         return False
-    batch_size = results._extract_batch_size(metric, kwargs.get("batch_size"), metric.meta)
-    # _ResultCollection.update_metrics' body (Lightning 2.x), without its torch.compiler.disable wrapper, which costs
-    # more host time than the update itself; this runs after a replay, never under torch.compile.
-    metric.forward(value.squeeze(), batch_size)
+    batch_size = results._extract_batch_size(metric, batch_size, metric.meta)
+    if value.dim():
+        value = value.squeeze()  # what LightningModule.log does to a 1-element tensor
+    # _ResultCollection.update_metrics -> _ResultMetric.forward -> torchmetrics' update wrapper -> update: the
+    # wrapper's bookkeeping is written here and the class's own update is called (the wrapper's grad-mode context
+    # is not needed: the value is detached). The same state results (tests/test_lightning_cpu.py,
+    # test_fast_log_leaves_the_metric_as_lightnings_update).
+    metric._computed = None
+    metric._update_count += 1
+    meta = metric.meta
+    if meta.on_step and not meta.on_epoch and metric.is_tensor and value.is_floating_point():
+        # Logged on step only: update() keeps sync(the value in the default dtype, copied) as both the value and
+        # the forward cache. One kernel converts and copies (update launches two for a bf16 loss).
+        dtype = value.dtype if value.dtype in _FULL else _default_dtype()
+        metric._forward_cache = metric.value = meta.sync(value.to(dtype, copy=True))
+    else:
+        _UPDATE(metric, value, batch_size)
     metric.has_reset = False
     connector._current_fx = fx
     return True

@@ -23,10 +23,12 @@ __all__ = ["StepLogs"]
 
 
 class _LogRecord:
-    __slots__ = ("fx", "name", "args", "kwargs", "tensor")
+    __slots__ = ("fx", "name", "args", "kwargs", "tensor", "key", "batch_size")
 
     def __init__(self, fx: Any, name: str, args: tuple, kwargs: dict, tensor: bool) -> None:
         self.fx, self.name, self.args, self.kwargs, self.tensor = fx, name, args, kwargs, tensor
+        # what the fast re-emission needs, made once (a kept record is emitted after every replay)
+        self.key, self.batch_size = f"{fx}.{name}", kwargs.get("batch_size")
 
 
 class StepLogs:
@@ -96,7 +98,7 @@ class StepLogs:
                     value = next(it)
                     # A metric this step already registered is updated directly (same arguments as the
                     # first, fully checked call); anything else goes through LightningModule.log.
-                    if not rec.args and _compat.fast_log(trainer, rec.fx, rec.name, value, rec.kwargs):
+                    if not rec.args and _compat.fast_log(trainer, rec.fx, rec.key, value, rec.batch_size):
                         continue
                     slow = True
                     _compat.set_current_fx(pl_module, rec.fx)
