@@ -707,8 +707,10 @@ def parent_main(args: argparse.Namespace) -> int:
     profiles: list[dict] = []
     durations: dict[str, list[float]] = {}
     t_start = time.perf_counter()
-    print(f"step_time: {len(plan)} processes; setup {args.precision}, children on core {args.pin_cpu if args.pin_cpu >= 0 else 'any'}, {args.optim}, {args.steps} steps, window "
-          f"{args.measure_from}-{args.steps - 1}; budget {args.budget_s or 'none'} s", flush=True)
+    core = args.pin_cpu if args.pin_cpu >= 0 else "any"
+    print(f"step_time: {len(plan)} processes; setup {args.precision}, children on core {core}, {args.optim}, "
+          f"{args.steps} steps, window {args.measure_from}-{args.steps - 1}; budget {args.budget_s or 'none'} s",
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp, log_path.open("w") as log:
         for k, (kind, rnd, preset, variant) in enumerate(plan):
             elapsed = time.perf_counter() - t_start

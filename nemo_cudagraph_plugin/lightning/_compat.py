@@ -5,7 +5,9 @@ The captured region is exactly Lightning's ``_AutomaticOptimization.run`` for on
 hook spanning that region, so the adapter routes ``run`` on *this trainer's loop instance* (never
 the class), mirrors the progress counters a replay skips, and redirects ``LightningModule.log``
 on the module instance while a step is recorded. Checked against Lightning 2.4 - 2.6.6; newer
-versions run with one warning.
+versions run with one warning. The re-emission of a replayed step's logs (:func:`fast_log`) also writes the
+two fields torchmetrics' ``Metric.update`` wrapper keeps (``_computed``, ``_update_count``); a test compares the
+metric's whole state with Lightning's own update on the installed versions.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ __all__ = [
 
 LIGHTNING_VERSION = Version(pl.__version__.split("+")[0])
 _MIN = Version("2.4.0")
+_MAX_TESTED = Version("2.6.6")
 _UPDATE = _ResultMetric.update  # the class's update; torchmetrics wraps each instance's `update`
 _FULL = (torch.float32, torch.float64)  # dtypes _ResultMetric.update keeps as they are
-_MAX_TESTED = Version("2.6.6")
 
 
 def check_lightning_version() -> None:
