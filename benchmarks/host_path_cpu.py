@@ -185,11 +185,17 @@ def instructions(variant: str, steps: int, skip: int, tmp: Path, lib: Path) -> f
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{variant}: valgrind exited {r.returncode}:\n{r.stderr[-3000:]}")
+    return read_totals(tmp, variant) / (steps - skip)
+
+
+def read_totals(folder: Path, variant: str) -> int:
+    """Instructions in ``variant``'s callgrind files: the dump at ``cg_stop`` and an empty one at exit. A dump's
+    ``summary:`` line comes first and is 0; its ``totals:`` line holds the count."""
     total = 0
-    for f in tmp.glob(f"cg.{variant}*"):  # the dump at cg_stop (and an empty one at exit)
+    for f in folder.glob(f"cg.{variant}*"):
         m = re.search(r"^totals: (\d+)", f.read_text(errors="replace"), re.M)
         total += int(m.group(1)) if m else 0
-    return total / (steps - skip)
+    return total
 
 
 def _config() -> Any:
@@ -219,12 +225,15 @@ def run(variant: str, steps: int, skip: int, prof: Optional[cProfile.Profile] = 
         cb.step_runner.backend = NoopReplayBackend()
         callbacks.append(cb)
     spec = step_time.Spec(variant="callback", preset="tiny", steps=steps, device="cpu")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[*callbacks, timer], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+    # One epoch holds exactly `steps` batches: a loop whose global_step stood still would end there, not run on.
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, callbacks=[*callbacks, timer],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, train_dataloaders=step_time._loader(spec, _config()))
+    if trainer.global_step != steps:
+        raise RuntimeError(f"{variant}: global_step {trainer.global_step} after {steps} batches")
     if variant != "floor":
         st = callbacks[0].stats
         if st.replays < steps - skip - 1:
