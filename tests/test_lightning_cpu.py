@@ -36,6 +36,9 @@ from nemo_cudagraph_plugin.core import ParityError
 from nemo_cudagraph_plugin.lightning import _compat, checks
 from recipes.gpt import GPTLightningModule, get_config
 
+# The nemo CI stage runs these again on Lightning 2.4.0 (NeMo 2.7.3's pin), the oldest the adapter supports.
+pytestmark = pytest.mark.lightning_adapter
+
 CFG = get_config("tiny", n_layer=1, n_embd=64, n_head=2, seq_len=32)
 LR = 2.0**-10  # exact in float32 (see the module docstring)
 
