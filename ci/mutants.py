@@ -319,6 +319,16 @@ MUTANTS: list[Mutant] = [
            (LT + "test_graphed_fit_equals_eager_lightning_bitwise[3-6]",),
            "the step key says every batch steps the optimizer: at k = 3 the middle and last batch of a window share a "
            "graph"),
+    Mutant("clip-value-not-in-key", "cpu", COMPAT,
+           "(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)",
+           "(None, None)",
+           (LT + "test_gradient_clip_value_changed_after_capture_is_used_by_the_next_steps",),
+           "the step key leaves out the clipping value: a changed gradient_clip_val replays the old graph"),
+    Mutant("skip-flag-not-written", "cpu", RUNNER,
+           "self.guard.observe_grads(self.prep.found_inf if self.prep is not None else None)",
+           "self.guard.observe_grads(None)",
+           (LT + "test_nan_action_skip_drops_the_poisoned_update_inside_a_replay",),
+           "nan_action='skip' never sets the optimizer's found_inf: a non-finite gradient is applied"),
 ]
 
 

@@ -14,6 +14,7 @@ into a graph, re-allocated state, ``verify_steps``, the NaN guard inside the syn
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
 import lightning.pytorch as pl
@@ -296,6 +297,44 @@ def test_verify_steps_pass_and_leave_training_as_eager():
     assert g.progress == e.progress
 
 
+def test_epoch_means_of_replayed_logs_equal_eager_in_every_epoch():
+    """``self.log(..., on_epoch=True)`` re-emitted after replays: each epoch's mean is eager's, so the metric is reset
+    at every epoch start as Lightning's own ``self.log`` resets it (the fast path must not carry a sum over)."""
+    means = {}
+
+    class EpochMeans(pl.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.seen.append(float(trainer.callback_metrics["loss_epoch_mean"]))
+
+    runs = {}
+    for graphed in (True, False):
+        em = EpochMeans()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs[graphed] = fit(graphed=graphed, steps=-1, n_batches=6, max_epochs=3, callbacks=[em])
+        means[graphed] = em.seen
+    g, e = runs[True], runs[False]
+    assert g.stats.replays >= 12 and len(means[True]) == 3
+    assert means[True] == means[False]
+    assert_same(g, e)
+
+
+def test_gradient_clip_value_changed_after_capture_is_used_by_the_next_steps():
+    """The clipping value is baked into a graph: a change mid-fit selects (captures) a graph with the new value."""
+
+    class Tighten(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 6:
+                trainer.gradient_clip_val = 1e-3  # from here on every step is clipped hard
+
+    g, e = graphed_and_eager(steps=12, gradient_clip_val=10.0, callbacks=[Tighten()])
+    assert g.stats.captures == 2
+    assert_same(g, e)
+
+
 def test_python_values_logged_in_the_step_are_re_emitted_as_captured():
     kw = dict(module_kw={"python_logs": True})
     with warnings.catch_warnings(record=True) as w:
@@ -385,6 +424,16 @@ def test_gradient_accumulation_scheduler_changes_k_between_graphs():
     kw = dict(steps=-1, n_batches=8, max_epochs=4)
     g, e = graphed_and_eager(callbacks=[GradientAccumulationScheduler({0: 2, 2: 4})], **kw)
     assert g.rec.steps[-1] == 12 and g.stats.replays > 10, g.stats.summary()
+    assert_same(g, e)
+
+
+def test_graphs_that_own_gradients_and_graphs_that_accumulate_replay_in_turn():
+    """k = 2, then 1 (graphs that own the gradients, captured with them set to None), then 2 again: the first
+    epoch's accumulating graphs recorded gradient addresses that the owning capture replaced, so they are captured
+    again, not replayed into gradients nothing reads."""
+    kw = dict(steps=-1, n_batches=8, max_epochs=3)
+    g, e = graphed_and_eager(callbacks=[GradientAccumulationScheduler({0: 2, 1: 1, 2: 2})], **kw)
+    assert g.stats.replays > 10 and g.stats.recaptures >= 1, g.stats.summary()
     assert_same(g, e)
 
 
@@ -547,6 +596,19 @@ def test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay():
             fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_check_every": 4})
     assert info.value.parameter == name, str(info.value)
     assert "global step 4 up to 8" in str(info.value)
+
+
+def test_nan_action_skip_drops_the_poisoned_update_inside_a_replay():
+    """``nan_action="skip"``: the replayed step whose gradient went non-finite leaves the parameters and the optimizer
+    state as they were (the fused optimizer reads the guard's flag on the device), and training goes on finite."""
+    name = "model.blocks.0.mlp.fc.weight"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        g = fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_action": "skip", "nan_check_every": 4})
+    assert g.stats.replays >= 8 and g.stats.skipped_steps == 1
+    assert any("skipped" in str(x.message) for x in w)
+    assert all(torch.isfinite(p).all() for p in g.params)
+    assert all(math.isfinite(x) for x in g.rec.losses)
 
 
 def test_nan_guard_read_is_reported_by_the_first_step_after_the_gpu_wrote_it(monkeypatch):
