@@ -415,6 +415,11 @@ def test_nan_guard_snapshot_reads_without_waiting(monkeypatch):
     # check() reads synchronously, after any queued snapshot
     g.snapshot("in window 3")
     assert g.check(raise_on_bad=False) is None and not g.read_pending
+    # ... and in skip mode (no raise) it reports what the queued snapshot saw, with that snapshot's window
+    a.grad = torch.tensor([float("nan"), 0.0])
+    g.observe_grads()
+    g.snapshot("in window 4")
+    assert g.check(raise_on_bad=False, window="in window 5") == "NaN guard: non-finite gradient in parameter 'a' in window 4."
 
 
 def test_nan_guard_partial_gradients_use_index_plan():

@@ -460,6 +460,36 @@ def test_module_state_changed_after_capture_is_followed_like_eager(change):
     assert_same(g, e)
 
 
+def test_optimizer_is_given_back_as_the_user_built_it_after_fit():
+    """After fit: float learning rates, the user's capturable flag and the optimizer's own zero_grad (with its
+    set_to_none default, which the runner's wrapper overrides while steps accumulate)."""
+    g = fit(steps=8, accumulate_grad_batches=2)
+    assert g.stats.replays > 0
+    opt = g.trainer.optimizers[0]
+    assert all(isinstance(pg["lr"], float) and pg["lr"] == LR and pg["capturable"] is False for pg in opt.param_groups)
+    assert "zero_grad" not in opt.__dict__
+    opt.zero_grad()
+    assert all(p.grad is None for p in g.module.parameters())
+
+
+class _WeightDecaySchedule(pl.Callback):
+    """Changes a hyperparameter the graph bakes in as a constant (weight decay) before every step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        trainer.optimizers[0].param_groups[0]["weight_decay"] = 0.1 + 0.01 * trainer.global_step
+
+
+def test_a_baked_hyperparameter_scheduled_every_step_is_refused_after_two_recaptures():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CaptureError, match="keeps changing .*weight_decay"):
+            fit(steps=12, callbacks=[_WeightDecaySchedule()])
+    # on_capture_error="eager": graphs off with one warning, and training is eager training
+    g, e = graphed_and_eager(cb_kw={"on_capture_error": "eager"}, steps=12, callbacks=[_WeightDecaySchedule()])
+    assert g.cb.eager_reason is not None and "keeps changing" in g.cb.eager_reason
+    assert_same(g, e)
+
+
 def test_lr_assigned_inside_optimizer_step_is_refused_at_capture_naming_the_line():
     line = next(i for i, s in enumerate(inspect.getsourcelines(TinyGPT)[0]) if "# LR-IN-STEP" in s)
     line += inspect.getsourcelines(TinyGPT)[1]
@@ -625,10 +655,19 @@ def test_nan_action_skip_drops_the_poisoned_update_inside_a_replay():
     """``nan_action="skip"``: the replayed step whose gradient went non-finite leaves the parameters and the optimizer
     state as they were (the fused optimizer reads the guard's flag on the device), and training goes on finite."""
     name = "model.blocks.0.mlp.fc.weight"
+    seen = []
+
+    class Skipped(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(next(c for c in trainer.callbacks if isinstance(c, CudaGraphCallback)).stats.skipped_steps)
+
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        g = fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_action": "skip", "nan_check_every": 4})
+        g = fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_action": "skip", "nan_check_every": 4},
+                callbacks=[Skipped()])
     assert g.stats.replays >= 8 and g.stats.skipped_steps == 1
+    # counted by the read queued at the poisoned step (the 8th: nan_check_every=4), not only by the one at fit end
+    assert seen[:7] == [0] * 7 and seen[7:11] == [1] * 4
     assert any("skipped" in str(x.message) for x in w)
     assert all(torch.isfinite(p).all() for p in g.params)
     assert all(math.isfinite(x) for x in g.rec.losses)
