@@ -42,6 +42,8 @@ PKG = "nemo_cudagraph_plugin"
 E = "nemo_cudagraph_plugin/core/engine.py"
 RUNNER = "nemo_cudagraph_plugin/lightning/runner.py"
 COMPAT = "nemo_cudagraph_plugin/lightning/_compat.py"
+MSTATE = "nemo_cudagraph_plugin/core/module_state.py"
+OPTIM = "nemo_cudagraph_plugin/core/optim.py"
 LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
 GPU = "tests/gpu/test_can_fail_gpu.py::"
@@ -349,6 +351,50 @@ MUTANTS: list[Mutant] = [
            "        if False:",
            (LT + "test_a_baked_hyperparameter_scheduled_every_step_is_refused_after_two_recaptures",),
            "a hyperparameter baked into the graph and changed every step is re-captured every step, never refused"),
+    # -- module state baked into a graph (session 6) ------------------------------------------------------
+    Mutant("module-guard-ignores-changes", "cpu", MSTATE,
+           "            ):\n                return None\n        except Exception:",
+           "            ) or True:\n                return None\n        except Exception:",
+           (LT + "test_module_state_changed_after_capture_is_followed_like_eager[dropout-p]",
+            LT + "test_module_state_changed_after_capture_is_followed_like_eager[submodule-eval]"),
+           "a Dropout.p or train/eval mode changed after capture is replayed with the captured value, silently"),
+    Mutant("module-guard-skips-requires-grad", "cpu", MSTATE,
+           "            if list(map(call, self._getters, self._dicts)) == self._values and (\n"
+           "                list(map(_requires_grad, self._params)) == self._grads\n            ):",
+           "            if list(map(call, self._getters, self._dicts)) == self._values:",
+           (LT + "test_module_state_changed_after_capture_is_followed_like_eager[requires-grad-off]",),
+           "layers frozen after capture keep being trained by the replayed graph"),
+    Mutant("frozen-grads-kept", "cpu", RUNNER,
+           "            if not p.requires_grad:\n                p.grad = None",
+           "            if not p.requires_grad:\n                pass",
+           (LT + "test_module_state_changed_after_capture_is_followed_like_eager[requires-grad-off-k2]",
+            LT + "test_module_state_changed_after_capture_is_followed_like_eager[requires-grad-off-k3-mid-window]"),
+           "a frozen parameter keeps a zeroed gradient in accumulating steps, so AdamW still moves it"),
+    Mutant("frozen-grads-dropped-mid-window", "cpu", RUNNER,
+           "            if self._drop_grads and self._key.zero_grad:\n                self._drop_frozen_grads()",
+           "            if self._drop_grads:\n                self._drop_frozen_grads()",
+           (LT + "test_module_state_changed_after_capture_is_followed_like_eager[requires-grad-off-k3-mid-window]",),
+           "frozen mid-window, the window's gradients of those parameters are dropped before eager would apply them"),
+    Mutant("trainable-set-not-followed", "cpu", RUNNER,
+           "            self._set_trainable(trainable)\n        rapid",
+           "            pass\n        rapid",
+           (LT + "test_layers_unfrozen_with_a_new_param_group_are_trained_and_checked_like_eager",),
+           "layers unfrozen during training are not checked by the NaN guard"),
+    Mutant("new-param-group-not-prepared", "cpu", OPTIM,
+           "        if len(self.optimizer.param_groups) != len(self._saved):",
+           "        if False:",
+           (LT + "test_layers_unfrozen_with_a_new_param_group_are_trained_and_checked_like_eager",),
+           "a param group added during training keeps a float learning rate baked into the graph"),
+    Mutant("module-state-schedule-not-refused", "cpu", RUNNER,
+           "        if self._rapid > _MAX_RAPID_MODULE_CHANGES:",
+           "        if False:",
+           (LT + "test_module_state_changed_every_step_is_refused_naming_it",),
+           "a module value changed every step makes every step eager + capture, silently"),
+    Mutant("module-state-not-rebased-after-step", "cpu", RUNNER,
+           "        self.modules.rebase()\n",
+           "",
+           (LT + "test_module_attribute_set_inside_the_step_does_not_recapture",),
+           "an attribute the step's own Python sets is taken for a user's change: a re-capture after every capture"),
 ]
 
 

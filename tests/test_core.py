@@ -454,3 +454,33 @@ def test_finite_check_counts_non_finite_elements_per_slot_on_the_fallback_path()
         FiniteCheck([a], [0, 1])
     with pytest.raises(ValueError, match=r"FiniteCheck\(block=100"):
         FiniteCheck([a], [0], block=100)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ModuleStateWatch: module values a graph bakes in
+# ----------------------------------------------------------------------------------------------------------
+def test_module_state_watch_names_what_changed_and_ignores_what_no_graph_read():
+    from nemo_cudagraph_plugin.core.module_state import ModuleStateWatch
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.LayerNorm(4))
+    net[2]._calls = 0  # private: frameworks keep per-call bookkeeping there
+    watch = ModuleStateWatch(net)
+    assert watch.changed() is None
+    net[1].p = 0.5
+    assert watch.changed() == "1.p changed from 0.1 to 0.5 after the graph was captured"
+    assert watch.changed() is None  # reported once
+    net[2].eval()
+    assert watch.changed().startswith("2.training changed from True to False")
+    net[0].weight.requires_grad_(False)
+    assert watch.changed().startswith("0.weight.requires_grad changed from True to False")
+    assert [n for n, _ in watch.trainable] == ["0.bias", "2.weight", "2.bias"]
+    # an equal value in a new object, a new attribute, a private one: nothing a graph read changed
+    net[1].p = float("0.5")
+    net[1].new_flag = True
+    net[2]._calls = 3
+    assert watch.changed() is None
+    # a value that cannot be compared with the recorded one (a tensor where a float was) is a change, not an error
+    net[1].p = torch.tensor([0.5, 0.5])
+    assert watch.changed().startswith("1.p changed from 0.5 to tensor(")
+    del net[1].new_flag
+    assert watch.changed() == "1.new_flag changed from True to '<deleted>' after the graph was captured"

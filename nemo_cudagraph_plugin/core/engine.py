@@ -59,6 +59,7 @@ repeats what it needs after each replay (``after_replay``). Hazards covered here
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 import warnings
 import weakref
@@ -84,6 +85,7 @@ Guard = Callable[[], Optional[str]]
 Named = Union[Tensor, tuple[str, Tensor]]
 
 _data_ptr = Tensor.data_ptr
+_call = operator.call
 
 
 @dataclass(eq=False)
@@ -229,11 +231,10 @@ class CaptureEngine:
         full_key = (signature_of(leaves, spec), key)
         # Guards run before every step (not only before replays): a capture must never bake in a
         # value the guard would have fixed (a float learning rate assigned before this step, say).
-        for guard in self.guards:
-            reason = guard()
-            if reason is not None:
-                self.invalidate(reason)
-                break
+        # Every guard runs (each records what it saw); any reason drops the graphs once.
+        reasons = [r for r in map(_call, self.guards) if r is not None]
+        if reasons:
+            self.invalidate("; ".join(reasons))
         entry = self.cache.get(full_key)
         if entry is not None and (self._flag.dirty or list(map(_data_ptr, self._scan)) != self._scan_ptrs):
             self.revalidate()
@@ -248,6 +249,13 @@ class CaptureEngine:
         if self.after_replay is not None:
             self.after_replay(entry)
         return entry.outputs()
+
+    def set_params(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
+        """The trainable parameters changed (layers frozen or unfrozen). Call with the graphs dropped
+        (:meth:`invalidate`): the next captures write, own and check these parameters' gradients."""
+        self.named_params = list(named_params)
+        self._scan = [p for _, p in self.named_params]
+        self._scan_ptrs = list(map(_data_ptr, self._scan))
 
     def invalidate(self, reason: str) -> None:
         """Drop every graph; the next steps warm up (one eager step per key) and re-capture."""

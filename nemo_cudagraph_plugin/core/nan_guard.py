@@ -77,6 +77,20 @@ class NanGuard:
         self._host: Optional[Tensor] = None
         self._skipped_host = 0
 
+    def set_params(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
+        """Check these parameters from now on (the trainable set changed; graphs using the old checks are
+        gone). Read the accumulators first (:meth:`check`): their slots are of the old parameters."""
+        if self._read is not None:
+            raise RuntimeError("NanGuard.set_params: read the queued snapshot first (check())")
+        self.names = [n for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in named_params if p.requires_grad]
+        self.grad_bad = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
+        self._checks.clear()
+        self._in_graph.clear()
+        self._pending.clear()
+        self._table_len = table_length([p.numel() for p in self.params])
+        self._spare = self._stage = self._host = None
+
     def observe_loss(self, loss: Tensor) -> None:
         """Add the loss into the accumulator (one kernel; safe inside capture)."""
         self.loss_sum.add_(loss.detach().reshape(()))

@@ -178,10 +178,10 @@ class OptimizerPrep:
             )
         fused = fam == "SGD" or (self.skip_nonfinite and fam in ("Adam", "AdamW"))
         lr_t, betas_t = self.tensor_hparams or probe_tensor_hyperparams(opt, self.device, fused)
-        first = not self._saved  # a re-apply (after load_state_dict) keeps the user's original settings
         self._live = []
-        for group in opt.param_groups:
-            if first:
+        for i, group in enumerate(opt.param_groups):
+            # A re-apply (after load_state_dict, or for a group added later) keeps the user's original settings.
+            if i == len(self._saved):
                 self._saved.append({k: group[k] for k in ("lr", "betas", "capturable", "fused", "foreach") if k in group})
             if "capturable" in group:
                 group["capturable"] = True
@@ -231,6 +231,11 @@ class OptimizerPrep:
 
         Returns ``None`` when every captured graph is still valid, else ``"group i: key a -> b"``.
         """
+        if len(self.optimizer.param_groups) != len(self._saved):
+            # A group added during training (fine-tuning callbacks unfreezing layers): its float lr and betas
+            # would be baked in, so it gets device tensors too, and graphs without it are re-captured.
+            self.apply()
+            return f"param group {len(self._saved) - 1} added to the optimizer"
         for group, key, obj in self._live:
             cur = group[key]
             if cur is not obj:  # a scheduler assigned a new float/tuple: copy it into our tensors
@@ -243,7 +248,7 @@ class OptimizerPrep:
                 group[key] = obj
         for group, key, value in self._frozen:
             if group[key] != value:
-                idx = self.optimizer.param_groups.index(group)
+                idx = _group_index(self.optimizer, group)
                 return f"param group {idx}: {key} {value!r} -> {_to_float_tree(group[key])!r}"
         return None
 
@@ -279,12 +284,17 @@ class OptimizerPrep:
                 pname = names.get(id(p), f"#{i}")
                 out.extend((f"optimizer state {k} of {pname}", v) for k, v in state.items() if isinstance(v, Tensor))
         for g, k, obj in self._live:
-            idx = self.optimizer.param_groups.index(g)
+            idx = _group_index(self.optimizer, g)
             if k == "lr":
                 out.append((f"param group {idx} lr tensor", obj))
             else:
                 out.extend((f"param group {idx} {k}[{j}] tensor", t) for j, t in enumerate(obj))
         return out
+
+
+def _group_index(optimizer: torch.optim.Optimizer, group: dict) -> int:
+    # By identity: list.index compares group dicts by value, which compares their parameter tensors.
+    return next(i for i, g in enumerate(optimizer.param_groups) if g is group)
 
 
 class ParamGroupWatch:

@@ -30,6 +30,7 @@ from ..core.buffers import flatten
 from ..core.config import CaptureConfig, CaptureStats
 from ..core.engine import CaptureEngine, GraphEntry
 from ..core.errors import CaptureError, locate_frames
+from ..core.module_state import ModuleStateWatch
 from ..core.nan_guard import NanGuard
 from ..core.optim import OptimizerPrep, ParamGroupWatch, portable_optimizer_state
 from ..core.rng import GeneratorRegistry
@@ -42,6 +43,11 @@ __all__ = ["LightningStepRunner"]
 # A hyperparameter a graph bakes in may change a couple of times (a manual change, an LR finder);
 # more than this and it is being scheduled, which graphs cannot follow.
 _MAX_HP_RECAPTURES = 2
+# Module state (dropout p, train/eval, requires_grad) may change now and then (fine-tuning schedules, an
+# epoch-wise anneal). Changed again before the graphs captured for it replayed this often, three times in a
+# row, it is changed every step or two: graphs cannot pay off.
+_RAPID_REPLAYS = 2
+_MAX_RAPID_MODULE_CHANGES = 2
 
 
 class LightningStepRunner:
@@ -91,6 +97,11 @@ class LightningStepRunner:
         self._last_n_out: Optional[int] = None
         self._hp_changes = 0
         self._checked_at = 0
+        self.modules: Optional[ModuleStateWatch] = None
+        self._key: Any = None
+        self._rapid = 0
+        self._replays_at_change = -_RAPID_REPLAYS
+        self._drop_grads: list[Tensor] = []
 
     @property
     def eager_reason(self) -> Optional[str]:
@@ -171,7 +182,9 @@ class LightningStepRunner:
         if self.guard is not None:
             self._mutable.append(self.guard.state_tensors)
         self.engine.mutable_fn = lambda: [t for fn in self._mutable for t in fn()]
+        self.modules = ModuleStateWatch(pl_module)
         self.engine.guards.append(self._hyperparam_guard)
+        self.engine.guards.append(self._module_guard)
         self.engine.after_replay = self._after_replay
         self.engine.on_capture = self._on_capture
         watch = ParamGroupWatch(optimizer)
@@ -269,6 +282,7 @@ class LightningStepRunner:
         # Nothing accumulates across steps: the step may own its gradients (not with DDP, whose
         # reducer keeps gradients as views of its buckets).
         self._fresh = fresh = key.zero_grad and key.optimizer_step and key.accumulate_grad_batches == 1 and not self._ddp
+        self._key = key  # for the module-state guard
 
         def fn(b: Any, quiet: bool = False) -> Any:
             kw = kwargs if b is batch else OrderedDict(kwargs, batch=b)
@@ -295,6 +309,8 @@ class LightningStepRunner:
         """Run ``call`` (an eager step or a capture) with logs recorded and counter increments measured."""
         before = _compat.progress_snapshot(self._loop)
         out, values, token = self.logs.run(call, quiet)
+        # What the step's own Python set is the state a capture of it bakes in; changes after this are the user's.
+        self.modules.rebase()
         self._last_delta = _compat.ProgressDelta(before, _compat.progress_snapshot(self._loop))
         self._last_n_out = len(flatten(out)[0])
         if self.guard is not None and isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
@@ -345,6 +361,54 @@ class LightningStepRunner:
             self.engine.disable(msg)
             return msg
         return f"optimizer hyperparameter changed ({changed}); it is baked into the graph as a constant"
+
+    def _module_guard(self) -> Optional[str]:
+        """Before every step: a module value a graph baked in (``training``, ``Dropout.p``, ``requires_grad``)
+        changed since the last step: drop the graphs (they are captured again with the new value)."""
+        why = self.modules.changed()
+        if why is None:
+            if self._drop_grads and self._key.zero_grad:
+                self._drop_frozen_grads()
+            return None
+        engine = self.engine
+        trainable = self.modules.trainable
+        if list(map(id, (p for _, p in trainable))) != list(map(id, (p for _, p in engine.named_params))):
+            self._set_trainable(trainable)
+        rapid = self.stats.replays - self._replays_at_change < _RAPID_REPLAYS
+        self._rapid = self._rapid + 1 if rapid else 0
+        self._replays_at_change = self.stats.replays
+        if self._rapid > _MAX_RAPID_MODULE_CHANGES:
+            msg = (
+                f"module state keeps changing ({why}): a value the captured forward reads as a Python constant "
+                "is changed every step or two, and every change needs a new capture. Change it less often (per "
+                "epoch), make it a tensor the forward reads (a buffer), or train this model eagerly"
+            )
+            if self.config.on_capture_error == "raise":
+                raise CaptureError(f"{self.owner}: {msg} (on_capture_error='eager').", rule="scheduled-module-state")
+            engine.disable(msg)
+            return msg
+        return f"{why} (a replay runs no Python, so it would keep the captured value)"
+
+    def _set_trainable(self, trainable: list[tuple[str, Tensor]]) -> None:
+        """Layers were frozen or unfrozen: capture, own and check the new set of gradients."""
+        keep = {id(p) for _, p in trainable}
+        # Eager zero_grad(set_to_none=True) leaves a frozen parameter without a gradient, so the optimizer skips
+        # it; the in-place zeroing of accumulating steps would keep one. Dropped when the next window starts.
+        self._drop_grads = [p for _, p in self.engine.named_params if id(p) not in keep and p.grad is not None]
+        if self._drop_grads and self._key is not None and self._key.zero_grad:
+            self._drop_frozen_grads()
+        self.engine.set_params(trainable)
+        if self.guard is not None:
+            self.check_nan()  # its slots are the old parameters'
+            self.guard.set_params(trainable)
+
+    def _drop_frozen_grads(self) -> None:
+        for p in self._drop_grads:
+            if not p.requires_grad:
+                p.grad = None
+        self._drop_grads = []
+        self._grads = [(p, g) for p, g in self._grads if p.requires_grad]
+        self.engine.dirty = True  # graphs that accumulate into those gradients are stale
 
     def _mark_dirty(self, reprep: bool = False) -> None:
         if reprep and self.prep is not None:
