@@ -361,3 +361,55 @@ def test_lbfgs_is_refused_with_a_clear_message():
 
     with pytest.raises(CaptureError, match="LBFGS cannot run inside a CUDA graph"):
         fit(M(), [CudaGraphCallback()], 3)
+
+
+class _AtStep(pl.Callback):
+    """Runs ``change(pl_module)`` before the batch of global step ``at`` (a callback between replays)."""
+
+    def __init__(self, at, change):
+        self.at, self.change = at, change
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            self.change(pl_module)
+
+
+def _freeze_block0(m):
+    for p in m.model.blocks[0].parameters():
+        p.requires_grad_(False)
+
+
+def test_layers_frozen_after_capture_stop_training_like_eager():
+    """requires_grad turned off between replays: the graphs are captured again, the frozen block stays as it was, and
+    the losses equal eager's bit for bit."""
+    with pytest.warns(UserWarning, match=r"re-captured: model\.blocks\.0\.[\w.]+\.requires_grad changed from True"):
+        cb = CudaGraphCallback()
+        module = make_module()
+        snap = {}
+        _, g = fit(module, [cb, _AtStep(30, _freeze_block0),
+                            _AtStep(31, lambda m: snap.update({n: p.detach().clone() for n, p in
+                                                               m.model.blocks[0].named_parameters()}))], 60)
+    _, e = fit(make_module(), [CapturableEager(), _AtStep(30, _freeze_block0)], 60)
+    assert cb.stats.recaptures >= 1 and cb.stats.replays >= 50, cb.stats.summary()
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+    assert all(torch.equal(p, snap[n]) for n, p in module.model.blocks[0].named_parameters()), "a frozen block moved"
+
+
+def test_dropout_changed_after_capture_is_followed():
+    """nn.Dropout.p set from 0 to 0.5 between replays: the replays draw dropout masks from then on (without the
+    re-capture they would keep p = 0 and train exactly like the run that never changed it)."""
+
+    def set_p(m):
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.5
+
+    with pytest.warns(UserWarning, match=r"re-captured: model\.[\w.]+\.p changed from 0\.0 to 0\.5"):
+        cb = CudaGraphCallback()
+        _, g = fit(make_module(), [cb, _AtStep(30, set_p)], 60)
+    _, unchanged = fit(make_module(), [CapturableEager()], 60)
+    _, e = fit(make_module(), [CapturableEager(), _AtStep(30, set_p)], 60)
+    gl, ul, el = g.loss_tensor(), unchanged.loss_tensor(), e.loss_tensor()
+    assert torch.equal(gl[:30], ul[:30])
+    assert not torch.equal(gl[31:], ul[31:]), "the replays kept p = 0"
+    assert abs(float(gl[-20:].mean() - el[-20:].mean())) < 0.05 * float(el[-20:].mean())
