@@ -159,7 +159,9 @@ def markdown(results: list[dict], setup: dict, env: dict, descriptions: dict[str
     if setup.get("dry_run"):
         lines += ["**DRY RUN on CPU** (every variant trains eagerly; checks the harness, says nothing about speed).", ""]
     lines += [
-             f"Setup: {setup['precision']}, optimizer {setup['optim']}, {setup['steps']} steps, timed over steps "
+             f"Setup: {setup['precision']}, optimizer {setup['optim']}, "
+             f"gradient clipping {('by norm at ' + str(setup['clip'])) if setup.get('clip') else 'off'}, "
+             f"{setup['steps']} steps, timed over steps "
              f"{setup['measure_from']}–{setup['steps'] - 1} (host sync at the window edges only), {_sync_window(setup)}, "
              f"{setup['rounds']} round(s) alternating the "
              f"variants, one process per variant and round, seed {setup['seed']}. ms/step: median over rounds. "

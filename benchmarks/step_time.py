@@ -134,6 +134,7 @@ class Spec:
     host_profile: bool = False
     nemo_wheel: str = ""
     pin_cpu: int = -1
+    clip: float = 0.0
 
     @property
     def cuda(self) -> bool:
@@ -461,7 +462,7 @@ def run_lightning(spec: Spec) -> dict:
     trainer = pl.Trainer(accelerator="gpu" if spec.cuda else "cpu", devices=1, strategy=strategy,
                          precision=spec.precision, max_steps=spec.steps, callbacks=[*callbacks, probe], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, gradient_clip_val=spec.clip or None)
     t = time.perf_counter()
     trainer.fit(module, train_dataloaders=_loader(spec, cfg))
     _sync(spec.cuda)
@@ -674,7 +675,7 @@ def _child_cmd(args: argparse.Namespace, variant: str, preset: str, rnd: int, js
            "--json", str(json_path), "--steps", str(args.steps), "--measure-from", str(args.measure_from),
            "--sync-from", str(args.sync_from), "--precision", args.precision, "--optim", args.optim,
            "--seed", str(args.seed), "--device", args.device, "--profile-from", str(args.profile_from),
-           "--nemo-wheel", str(args.nemo_wheel), "--pin-cpu", str(args.pin_cpu)]
+           "--nemo-wheel", str(args.nemo_wheel), "--pin-cpu", str(args.pin_cpu), "--clip", str(args.clip)]
     if profile:
         cmd += ["--profile-run", "--profile-steps", str(args.profile_steps)]
         if args.host_profile:
@@ -709,6 +710,7 @@ def parent_main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     core = args.pin_cpu if args.pin_cpu >= 0 else "any"
     print(f"step_time: {len(plan)} processes; setup {args.precision}, children on core {core}, {args.optim}, "
+          f"clip {args.clip or 'off'}, "
           f"{args.steps} steps, window {args.measure_from}-{args.steps - 1}; budget {args.budget_s or 'none'} s",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp, log_path.open("w") as log:
@@ -762,7 +764,8 @@ def write_reports(args: argparse.Namespace, runs: list[dict], profiles: list[dic
     order = [*args.variants, *COMPILE_VARIANTS]
     results = report.aggregate(runs, order)
     env = next((r["env"] for r in runs + profiles if r.get("env")), {})
-    setup = {"precision": args.precision, "optim": args.optim, "steps": args.steps, "measure_from": args.measure_from,
+    setup = {"precision": args.precision, "optim": args.optim, "clip": args.clip, "steps": args.steps,
+             "measure_from": args.measure_from,
              "sync_from": args.sync_from, "rounds": args.rounds, "seed": args.seed, "device": args.device,
              "nemo_capture_iteration": NEMO_CAPTURE_ITERATION, "dry_run": args.dry_run, "complete": final,
              "total_s": time.perf_counter() - t_start}
@@ -813,6 +816,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="launch no process that would end past this many seconds (estimated); 0: no limit")
     p.add_argument("--child-timeout-s", type=float, default=240.0)
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="Trainer(gradient_clip_val=...) for every Lightning variant (norm); raw_graph and the kernel "
+                        "floor do not clip")
     p.add_argument("--log-lines", type=int, default=30, help="lines of each successful child's output kept in the log")
     p.add_argument("--nemo-wheel", type=Path, default=nemo_reference.default_wheel(REPO))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
@@ -838,7 +844,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     measure_from=args.measure_from, sync_from=args.sync_from, precision=args.precision,
                     optim=args.optim, seed=args.seed, device=args.device, profile_from=args.profile_from,
                     profile_steps=args.profile_steps if args.profile_run else 0,
-                    host_profile=args.host_profile, nemo_wheel=str(args.nemo_wheel), pin_cpu=int(args.pin_cpu))
+                    host_profile=args.host_profile, nemo_wheel=str(args.nemo_wheel), pin_cpu=int(args.pin_cpu),
+                    clip=float(args.clip))
         return child_main(spec, args.json)
     if args.dry_run:
         args.device = "cpu"

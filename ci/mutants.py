@@ -44,6 +44,7 @@ RUNNER = "nemo_cudagraph_plugin/lightning/runner.py"
 COMPAT = "nemo_cudagraph_plugin/lightning/_compat.py"
 MSTATE = "nemo_cudagraph_plugin/core/module_state.py"
 OPTIM = "nemo_cudagraph_plugin/core/optim.py"
+NAN = "nemo_cudagraph_plugin/core/nan_guard.py"
 LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
 GPU = "tests/gpu/test_can_fail_gpu.py::"
@@ -395,6 +396,29 @@ MUTANTS: list[Mutant] = [
            "",
            (LT + "test_module_attribute_set_inside_the_step_does_not_recapture",),
            "an attribute the step's own Python sets is taken for a user's change: a re-capture after every capture"),
+    # -- the NaN guard reading the clipping norms (session 6) ---------------------------------------------
+    Mutant("norm-tap-marks-nothing", "cpu", NAN,
+           "        guard.grad_bad.add_(stacked.sub(stacked))\n        return True",
+           "        return True",
+           (LT + "test_nan_guard_names_the_parameter_when_gradients_are_clipped[norm]",),
+           "clipping by norm: a NaN gradient goes unreported (the guard trusts norms it never marked)"),
+    Mutant("norm-tap-after-clip", "cpu", RUNNER,
+           "        with self.guard.norm_tap() as tap:\n            out = clip(*args, **kwargs)\n"
+           "        if not tap.covered:",
+           "        out = clip(*args, **kwargs)\n        with self.guard.norm_tap() as tap:\n            pass\n"
+           "        if not tap.covered:",
+           (LT + "test_nan_guard_names_the_parameter_when_gradients_are_clipped[norm]",),
+           "the gradients are read after the NaN clip factor spoiled all of them: every parameter is named"),
+    Mutant("deferred-check-dropped", "cpu", RUNNER,
+           "            self._defer = False\n            self.guard.observe_grads()\n",
+           "            self._defer = False\n",
+           (LT + "test_nan_guard_names_the_parameter_when_gradients_are_clipped[norm-not-run]",),
+           "a check deferred to clipping that never ran is lost: no gradient check at all"),
+    Mutant("deferred-despite-own-clipping", "cpu", RUNNER,
+           "            self._can_defer = hook is pl.LightningModule.configure_gradient_clipping",
+           "            self._can_defer = True",
+           (LT + "test_nan_guard_names_the_parameter_when_gradients_are_clipped[norm-overridden]",),
+           "a module's own value clip runs before the deferred check and turns an Inf gradient into a number"),
 ]
 
 

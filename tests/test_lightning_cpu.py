@@ -48,7 +48,7 @@ class TinyGPT(GPTLightningModule):
     """recipes.gpt's module with a fused AdamW, an optional step-interval LR scheduler and hazards to switch on."""
 
     def __init__(self, sched=None, late_param=False, extra_for_long=0, poison_param=None, python_logs=False,
-                 baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False):
+                 baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False, poison_inf=False):
         super().__init__(CFG.replace(dropout=dropout), lr=LR)
         self.sched = sched
         # a parameter that first gets a gradient at batch 2 (the last warm-up step), and one that never gets one:
@@ -59,6 +59,7 @@ class TinyGPT(GPTLightningModule):
         self.extra = nn.Linear(CFG.n_embd, CFG.vocab_size) if extra_for_long else None
         self.extra_for_long = extra_for_long
         self.poison_param = poison_param
+        self.poison_inf = poison_inf  # the poisoned batch makes that gradient +Inf instead of NaN
         self.python_logs = python_logs
         self.baked_counter = baked_counter
         self.lr_in_optimizer_step = lr_in_optimizer_step
@@ -83,6 +84,8 @@ class TinyGPT(GPTLightningModule):
             loss = loss * (1 + self.late)
         if self.poison_param is not None:
             self._poison = batch["poison"].prod()
+            if self.poison_inf:
+                self._poison = torch.where(self._poison.isnan(), math.inf, 1.0)
         if self.baked_counter:
             self.calls += 1
             loss = loss + self.calls  # a Python value inside the step: the loss differs, the gradients do not
@@ -721,6 +724,49 @@ def test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay():
             fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_check_every": 4})
     assert info.value.parameter == name, str(info.value)
     assert "global step 4 up to 8" in str(info.value)
+
+
+class _ClipsByValueItself(pl.Callback):
+    """Makes the module clip by value in its own configure_gradient_clipping (Lightning's clipping by norm is then
+    not what runs, so the NaN guard must read the gradients before it: a value clip turns an Inf into a number)."""
+
+    def setup(self, trainer, pl_module, stage):
+        def configure_gradient_clipping(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            torch.nn.utils.clip_grad_value_(pl_module.parameters(), 1e-3)
+
+        pl_module.configure_gradient_clipping = configure_gradient_clipping
+
+
+class _LightningSkipsItsClipping(pl.Callback):
+    """Lightning's clip_gradients of this trainer does nothing (as a Lightning version that clipped elsewhere would):
+    the check the guard deferred to the clipping norms must still run."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.precision_plugin.clip_gradients = lambda *a, **k: None
+
+
+@pytest.mark.parametrize("clip", ["norm", "value", "norm-overridden", "norm-not-run"])
+def test_nan_guard_names_the_parameter_when_gradients_are_clipped(clip):
+    """Clipping by norm: the guard reads the per-parameter norms clipping computes (no read of its own) and still
+    names the one bad parameter (not every parameter the NaN clip factor spoils). Clipping by value, or by a module's
+    own configure_gradient_clipping: the gradients are read before the clip."""
+    name = "model.blocks.0.mlp.fc.weight"
+    algo = "value" if clip == "value" else "norm"
+    cbs = {"norm-overridden": [_ClipsByValueItself()], "norm-not-run": [_LightningSkipsItsClipping()]}.get(clip, [])
+    cb = CudaGraphCallback(nan_check_every=4)
+    cb.step_runner.backend = TapeBackend()
+    with pytest.raises(NonFiniteError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # an Inf, which a value clip would turn into a number: the read must come before such a clip
+            fit(graphed=False, steps=12, poison_at=7, module_kw={"poison_param": name, "poison_inf": clip != "norm"},
+                callbacks=[cb, *cbs],
+                gradient_clip_val=0.5, gradient_clip_algorithm=algo)
+    assert info.value.parameter == name and " more)" not in str(info.value), str(info.value)
+    assert "global step 4 up to 8" in str(info.value)
+    assert cb.stats.replays >= 4, cb.stats.summary()
+    # the guard's own gradient read is built only where the clipping norms cannot be used
+    assert bool(cb.step_runner.guard._checks) == (clip != "norm"), clip
 
 
 def test_nan_action_skip_drops_the_poisoned_update_inside_a_replay():

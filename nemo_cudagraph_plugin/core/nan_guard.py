@@ -8,6 +8,13 @@ Per step this is one kernel for the loss and, for the gradients, one launch of
 :class:`~.finite.FiniteCheck` (one read of every gradient; a ``_foreach_norm`` fallback without
 Triton). The accumulators are allocated once, outside every graph.
 
+**Reusing the clipping norms.** Gradient clipping by norm already reads every gradient and computes one norm per
+gradient, and a norm is finite exactly when its gradient is (an overflow of the sum of squares also counts as
+non-finite). Inside the clipping call :meth:`NanGuard.norm_tap` collects those per-parameter norms and adds one
+mark per non-finite gradient into its slot: three small kernels on a vector of norms instead of a second read of
+every gradient. The norms are taken before the clip factor multiplies the gradients, so a NaN is still attributed
+to its own parameter.
+
 Reading them does not sync either: every ``check_every`` steps :meth:`NanGuard.snapshot` queues a copy
 into pinned host memory and clears them, in stream order; :meth:`NanGuard.poll` reads that copy once
 the GPU has written it (an event query, no wait), usually a step or two later, and only then maps a bad
@@ -22,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import NonFiniteError
 from .finite import FiniteCheck, capturing, table_length
@@ -90,6 +98,14 @@ class NanGuard:
         self._pending.clear()
         self._table_len = table_length([p.numel() for p in self.params])
         self._spare = self._stage = self._host = None
+
+    def norm_tap(self) -> _NormTap:
+        """A context around gradient clipping: the per-parameter norms it computes mark the non-finite gradients.
+
+        After the block, ``tap.covered`` says whether every gradient got a norm (and the marks were added); if not,
+        nothing was added and :meth:`observe_grads` must check the gradients.
+        """
+        return _NormTap(self)
 
     def observe_loss(self, loss: Tensor) -> None:
         """Add the loss into the accumulator (one kernel; safe inside capture)."""
@@ -236,3 +252,65 @@ class NanGuard:
     def reset(self) -> None:
         self.loss_sum.zero_()
         self.grad_bad.zero_()
+
+
+_FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
+_VECTOR_NORM = torch.ops.aten.linalg_vector_norm.default
+
+
+class _NormTap(TorchDispatchMode):
+    """Collects the norm of each checked gradient computed inside the block (``torch._foreach_norm`` on CUDA,
+    ``torch.linalg.vector_norm`` per tensor elsewhere) and, on a clean exit, marks the non-finite ones.
+
+    Python runs only while the block runs (at capture); the marking kernels are part of the step, and a replay
+    repeats them with that replay's norms.
+    """
+
+    def __init__(self, guard: NanGuard) -> None:
+        super().__init__()
+        self.guard = guard
+        self.covered = False
+        self._norms: dict[int, Tensor] = {}
+        self._slots: dict[tuple[int, int], int] = {}
+
+    def __enter__(self) -> _NormTap:
+        grads = [p.grad for p in self.guard.params]
+        self._slots = {(g.data_ptr(), g.numel()): i for i, g in enumerate(grads) if g is not None}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _FOREACH_NORM:
+            tensors, norms = args[0], out
+            order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        elif func is _VECTOR_NORM and (args[2] if len(args) > 2 else kwargs.get("dim")) is None:
+            tensors, norms = (args[0],), (out,)
+            order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        else:
+            return out
+        if order != 0:  # the 0-"norm" counts non-zeros: a NaN counts as one, it does not propagate
+            for t, n in zip(tensors, norms):
+                slot = self._slots.get((t.data_ptr(), t.numel()))
+                if slot is not None:
+                    self._norms.setdefault(slot, n)
+        return out
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            self.covered = self._mark()
+
+    def _mark(self) -> bool:
+        norms = self._norms
+        if not self._slots or len(norms) != len(self._slots) or len({n.dtype for n in norms.values()}) != 1:
+            return False
+        guard = self.guard
+        if len(norms) == len(guard.params):
+            stacked = torch.stack([norms[i] for i in range(len(norms))])
+        else:  # parameters without a gradient this step: a zero norm in their slot
+            zero = torch.zeros((), dtype=next(iter(norms.values())).dtype, device=guard.device)
+            stacked = torch.stack([norms.get(i, zero) for i in range(len(guard.params))])
+        # x - x is 0 for a finite norm and NaN for an infinite or NaN one: the report reads a slot != 0 as bad.
+        guard.grad_bad.add_(stacked.sub(stacked))
+        return True

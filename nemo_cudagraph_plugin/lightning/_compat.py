@@ -98,6 +98,19 @@ class StepKey(NamedTuple):
     precision: str
 
 
+def around_clip_by_norm(trainer: pl.Trainer, around: Callable[..., Any]) -> Callable[[], None]:
+    """Route this trainer's ``precision_plugin.clip_grad_by_norm`` (public; Lightning's clipping by norm) through
+    ``around(original, *args, **kwargs)``, for this plugin instance only. Returns the undo."""
+    precision = trainer.strategy.precision_plugin
+    original = precision.clip_grad_by_norm
+
+    def clip_grad_by_norm(*args: Any, **kwargs: Any) -> Any:
+        return around(original, *args, **kwargs)
+
+    precision.clip_grad_by_norm = clip_grad_by_norm
+    return lambda: precision.__dict__.pop("clip_grad_by_norm", None)
+
+
 def step_key(trainer: pl.Trainer, loop: Any, batch_idx: int) -> StepKey:
     """The :class:`StepKey` of this batch, decided exactly as ``run`` decides it."""
     k = trainer.accumulate_grad_batches

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
@@ -102,6 +103,10 @@ class LightningStepRunner:
         self._rapid = 0
         self._replays_at_change = -_RAPID_REPLAYS
         self._drop_grads: list[Tensor] = []
+        # The NaN guard's gradient check of this step is left to the clipping norms (see observe_grads).
+        self._defer = False
+        self._can_defer = False
+        self._undo_clip: Optional[Callable[[], None]] = None
 
     @property
     def eager_reason(self) -> Optional[str]:
@@ -209,6 +214,12 @@ class LightningStepRunner:
         self._hooks.append(optimizer.register_load_state_dict_post_hook(lambda *_: self._mark_dirty(reprep=True)))
         self._hooks.append(pl_module.register_load_state_dict_post_hook(lambda *_: self._mark_dirty()))
         self._install_te(optimizer, pl_module)
+        if self.guard is not None and self.guard.mode == "full" and self.config.nan_action == "raise":
+            # Lightning's own clipping (not a module's configure_gradient_clipping override) computes one norm per
+            # gradient: the NaN guard reads those instead of reading every gradient again.
+            hook = getattr(pl_module.configure_gradient_clipping, "__func__", None)
+            self._can_defer = hook is pl.LightningModule.configure_gradient_clipping
+            self._undo_clip = _compat.around_clip_by_norm(self.trainer, self._clip_by_norm)
 
     def _install_te(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
         """TransformerEngine care: the FP8 transpose refresh for FP8 primary weights, and the graph
@@ -257,6 +268,9 @@ class LightningStepRunner:
         if self._fp8_handle is not None:
             self._fp8_handle.remove()
             self._fp8_handle = None
+        if self._undo_clip is not None:
+            self._undo_clip()
+            self._undo_clip = None
         if self.prep is not None:
             self.prep.restore()
         if self.engine is not None:
@@ -309,6 +323,9 @@ class LightningStepRunner:
         """Run ``call`` (an eager step or a capture) with logs recorded and counter increments measured."""
         before = _compat.progress_snapshot(self._loop)
         out, values, token = self.logs.run(call, quiet)
+        if self._defer:  # the step clipped nothing after all: check its (unchanged) gradients now
+            self._defer = False
+            self.guard.observe_grads()
         # What the step's own Python set is the state a capture of it bakes in; changes after this are the user's.
         self.modules.rebase()
         self._last_delta = _compat.ProgressDelta(before, _compat.progress_snapshot(self._loop))
@@ -417,9 +434,29 @@ class LightningStepRunner:
             self.engine.dirty = True
 
     def observe_grads(self) -> None:
-        """Called right before clipping and the optimizer step (inside the captured region)."""
-        if self.guard is not None and self.active:
-            self.guard.observe_grads(self.prep.found_inf if self.prep is not None else None)
+        """Called right before clipping and the optimizer step (inside the captured region).
+
+        When this step clips by norm with Lightning's own clipping and the gradients share one dtype, the check
+        is deferred to :meth:`_clip_by_norm`, which reads the per-parameter norms clipping computes anyway.
+        """
+        guard = self.guard
+        if guard is None or not self.active:
+            return
+        if self._can_defer and _clips_by_norm(self._key) and len({p.grad.dtype for p in guard.params if p.grad is not None}) == 1:
+            self._defer = True
+            return
+        guard.observe_grads(self.prep.found_inf if self.prep is not None else None)
+
+    def _clip_by_norm(self, clip: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Around Lightning's ``clip_grad_by_norm``: the NaN guard's check of a deferred step."""
+        if not self._defer:
+            return clip(*args, **kwargs)
+        self._defer = False
+        with self.guard.norm_tap() as tap:
+            out = clip(*args, **kwargs)
+        if not tap.covered:  # not every gradient got a norm: read them (after the clip factor, still non-finite)
+            self.guard.observe_grads()
+        return out
 
     def reattach_grads(self) -> None:
         """Lightning frees gradients before validation; give the graphs' gradient buffers back."""
@@ -464,6 +501,13 @@ class LightningStepRunner:
             return
         for state in checkpoint.get("optimizer_states", []):
             portable_optimizer_state(state, self.prep._saved)
+
+
+def _clips_by_norm(key: Optional[_compat.StepKey]) -> bool:
+    if key is None:
+        return False
+    val, algo = key.gradient_clip
+    return bool(val) and val > 0 and algo == "norm"
 
 
 def _watched(pl_module: Any) -> list[tuple[str, Tensor]]:

@@ -242,13 +242,18 @@ def _poisoned():
     return _Poisoned(get_config("tiny", n_layer=2, seq_len=256))
 
 
-def test_nan_guard_names_parameter():
+@pytest.mark.parametrize("clip", [None, "norm"])
+def test_nan_guard_names_parameter(clip):
+    """With clipping by norm the guard reads the per-parameter norms of ``torch._foreach_norm`` (no read of its own,
+    no FiniteCheck built) and still names the one bad parameter."""
     cb = CudaGraphCallback(nan_check_every=5)
+    kw = {"gradient_clip_val": 1.0, "gradient_clip_algorithm": clip} if clip else {}
     with pytest.raises(NonFiniteError) as ei:
-        fit(_poisoned(), [cb, _PoisonAt(12)], 40)
-    assert ei.value.parameter == "bad", str(ei.value)
+        fit(_poisoned(), [cb, _PoisonAt(12)], 40, **kw)
+    assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
     assert cb.stats.replays > 0
-    print(f"\nNAN GUARD: {ei.value}")
+    assert bool(cb.step_runner.guard._checks) == (clip is None)
+    print(f"\nNAN GUARD (clip={clip}): {ei.value}")
 
 
 def test_nan_guard_skip_mode_keeps_parameters_finite():
