@@ -745,13 +745,13 @@ class _LightningSkipsItsClipping(pl.Callback):
         trainer.strategy.precision_plugin.clip_gradients = lambda *a, **k: None
 
 
-@pytest.mark.parametrize("clip", ["norm", "value", "norm-overridden", "norm-not-run"])
+@pytest.mark.parametrize("clip", ["norm", "default", "value", "norm-overridden", "norm-not-run"])
 def test_nan_guard_names_the_parameter_when_gradients_are_clipped(clip):
     """Clipping by norm: the guard reads the per-parameter norms clipping computes (no read of its own) and still
     names the one bad parameter (not every parameter the NaN clip factor spoils). Clipping by value, or by a module's
     own configure_gradient_clipping: the gradients are read before the clip."""
     name = "model.blocks.0.mlp.fc.weight"
-    algo = "value" if clip == "value" else "norm"
+    algo = {"value": "value", "default": None}.get(clip, "norm")  # Lightning clips by norm when it is not given
     cbs = {"norm-overridden": [_ClipsByValueItself()], "norm-not-run": [_LightningSkipsItsClipping()]}.get(clip, [])
     cb = CudaGraphCallback(nan_check_every=4)
     cb.step_runner.backend = TapeBackend()
@@ -759,14 +759,15 @@ def test_nan_guard_names_the_parameter_when_gradients_are_clipped(clip):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # an Inf, which a value clip would turn into a number: the read must come before such a clip
-            fit(graphed=False, steps=12, poison_at=7, module_kw={"poison_param": name, "poison_inf": clip != "norm"},
+            fit(graphed=False, steps=12, poison_at=7,
+                module_kw={"poison_param": name, "poison_inf": clip not in ("norm", "default")},
                 callbacks=[cb, *cbs],
                 gradient_clip_val=0.5, gradient_clip_algorithm=algo)
     assert info.value.parameter == name and " more)" not in str(info.value), str(info.value)
     assert "global step 4 up to 8" in str(info.value)
     assert cb.stats.replays >= 4, cb.stats.summary()
     # the guard's own gradient read is built only where the clipping norms cannot be used
-    assert bool(cb.step_runner.guard._checks) == (clip != "norm"), clip
+    assert bool(cb.step_runner.guard._checks) == (clip not in ("norm", "default")), clip
 
 
 def test_nan_action_skip_drops_the_poisoned_update_inside_a_replay():

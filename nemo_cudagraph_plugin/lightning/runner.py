@@ -507,7 +507,7 @@ def _clips_by_norm(key: Optional[_compat.StepKey]) -> bool:
     if key is None:
         return False
     val, algo = key.gradient_clip
-    return bool(val) and val > 0 and algo == "norm"
+    return bool(val) and val > 0 and (algo or "norm") == "norm"  # Lightning clips by norm when no algorithm is set
 
 
 def _watched(pl_module: Any) -> list[tuple[str, Tensor]]:
