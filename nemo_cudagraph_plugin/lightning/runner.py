@@ -296,7 +296,7 @@ class LightningStepRunner:
         # Nothing accumulates across steps: the step may own its gradients (not with DDP, whose
         # reducer keeps gradients as views of its buckets).
         self._fresh = fresh = key.zero_grad and key.optimizer_step and key.accumulate_grad_batches == 1 and not self._ddp
-        self._key = key  # for the module-state guard
+        self._key = key  # read by the module-state guard and the NaN guard's clipping check
 
         def fn(b: Any, quiet: bool = False) -> Any:
             kw = kwargs if b is batch else OrderedDict(kwargs, batch=b)
