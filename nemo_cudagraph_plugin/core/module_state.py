@@ -10,8 +10,8 @@ later replay, and training would silently differ from eager.
 :class:`ModuleStateWatch` records, per module, ``training`` and every public attribute holding a
 plain value (``bool``, ``int``, ``float``, ``str``, ``None``, ``tuple``, ``enum``), and every
 parameter's ``requires_grad``. :meth:`ModuleStateWatch.changed` compares them with the recorded
-values: one C-level ``itemgetter`` call per module and one attribute read per parameter (a few
-microseconds for a 50-module model), no tensor work.
+values: one C-level ``itemgetter`` call per module and one attribute read per parameter (about
+8 µs, 75 k instructions, for a GPT of 35 watched modules and 52 parameters), no tensor work.
 
 Not watched: private attributes (``_name``: frameworks keep per-call bookkeeping there),
 attributes holding objects (configs, tensors; tensors are watched by address elsewhere), attributes
