@@ -191,11 +191,11 @@ MUTANTS: list[Mutant] = [
            (LT + "test_gradient_accumulation_scheduler_changes_k_between_graphs",),
            "accumulate_grad_batches is not part of the graph key"),
     Mutant("guards-only-on-cache-hit", "cpu", E,
-           "        for guard in self.guards:\n            reason = guard()\n            if reason is not None:\n"
-           "                self.invalidate(reason)\n                break\n        entry = self.cache.get(full_key)\n",
-           "        entry = self.cache.get(full_key)\n        for guard in (self.guards if entry is not None else ()):\n"
-           "            reason = guard()\n            if reason is not None:\n                self.invalidate(reason)\n"
-           "                entry = None\n                break\n",
+           "        reasons = [r for r in map(_call, self.guards) if r is not None]\n        if reasons:\n"
+           "            self.invalidate(\"; \".join(reasons))\n        entry = self.cache.get(full_key)\n",
+           "        entry = self.cache.get(full_key)\n"
+           "        reasons = [r for r in map(_call, self.guards if entry is not None else ()) if r is not None]\n"
+           "        if reasons:\n            self.invalidate(\"; \".join(reasons))\n            entry = None\n",
            (LT + "test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph",
             ET_ + "test_guards_run_before_the_capture_not_only_before_replays"),
            "guards (learning-rate sync) run only before replays, not before the capture"),
@@ -328,8 +328,8 @@ MUTANTS: list[Mutant] = [
            (LT + "test_gradient_clip_value_changed_after_capture_is_used_by_the_next_steps",),
            "the step key leaves out the clipping value: a changed gradient_clip_val replays the old graph"),
     Mutant("skip-flag-not-written", "cpu", RUNNER,
-           "self.guard.observe_grads(self.prep.found_inf if self.prep is not None else None)",
-           "self.guard.observe_grads(None)",
+           "        guard.observe_grads(self.prep.found_inf if self.prep is not None else None)",
+           "        guard.observe_grads(None)",
            (LT + "test_nan_action_skip_drops_the_poisoned_update_inside_a_replay",),
            "nan_action='skip' never sets the optimizer's found_inf: a non-finite gradient is applied"),
     Mutant("nan-skip-count-read-dropped", "cpu", "nemo_cudagraph_plugin/core/nan_guard.py",
