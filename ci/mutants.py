@@ -402,6 +402,11 @@ MUTANTS: list[Mutant] = [
            "        return True",
            (LT + "test_nan_guard_names_the_parameter_when_gradients_are_clipped[norm]",),
            "clipping by norm: a NaN gradient goes unreported (the guard trusts norms it never marked)"),
+    Mutant("norm-tap-needs-every-gradient", "cpu", NAN,
+           "        else:  # parameters without a gradient this step: a zero norm in their slot\n",
+           "        else:  # parameters without a gradient this step: a zero norm in their slot\n            return False\n",
+           (LT + "test_clipping_norms_cover_a_step_where_some_parameters_have_no_gradient",),
+           "a parameter without a gradient makes the guard read every gradient again despite the clipping norms"),
     Mutant("norm-tap-after-clip", "cpu", RUNNER,
            "        with self.guard.norm_tap() as tap:\n            out = clip(*args, **kwargs)\n"
            "        if not tap.covered:",

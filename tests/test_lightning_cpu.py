@@ -770,6 +770,16 @@ def test_nan_guard_names_the_parameter_when_gradients_are_clipped(clip):
     assert bool(cb.step_runner.guard._checks) == (clip not in ("norm", "default")), clip
 
 
+def test_clipping_norms_cover_a_step_where_some_parameters_have_no_gradient():
+    """TinyGPT.never gets no gradient (and .late only from batch 2): the clipping norms then cover fewer slots than
+    the guard has; the missing ones get a zero norm, so the guard still needs no read of its own, and training is
+    eager training."""
+    g, e = graphed_and_eager(module_kw={"late_param": True}, steps=10, gradient_clip_val=0.5)
+    assert g.stats.replays == 6, g.stats.summary()
+    assert not g.cb.step_runner.guard._checks
+    assert_same(g, e)
+
+
 def test_nan_action_skip_drops_the_poisoned_update_inside_a_replay():
     """``nan_action="skip"``: the replayed step whose gradient went non-finite leaves the parameters and the optimizer
     state as they were (the fused optimizer reads the guard's flag on the device), and training goes on finite."""
