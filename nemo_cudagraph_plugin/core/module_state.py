@@ -32,7 +32,7 @@ __all__ = ["ModuleStateWatch"]
 
 _PLAIN = (bool, int, float, str, type(None), tuple, enum.Enum)
 # Exactly these classes read no Python attribute of their own in forward (``F.linear(x, self.weight, self.bias)``;
-# containers have no forward): skipped, which halves the per-step reads of a transformer. Subclasses are watched.
+# containers have no forward): skipped, a third of the tiny GPT's modules (53 -> 35). Subclasses are watched.
 _STATELESS = frozenset({nn.Linear, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict})
 _requires_grad = attrgetter("requires_grad")
 _DELETED = "<deleted>"
