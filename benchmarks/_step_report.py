@@ -328,6 +328,17 @@ def _per_step(prof: dict) -> dict[str, tuple[float, float]]:
     return {k["name"]: (k["count"] / n, k["total_us"] / n) for k in prof["kernels"]}
 
 
+def _gaps_line(prof: dict) -> Optional[str]:
+    """Device span per step split into busy time and idle gaps (``device_gaps``); None for a profile without it."""
+    keys = ("span_us_per_step", "busy_us_per_step", "small_gaps_us_per_step", "small_gaps_per_step",
+            "large_gaps_us_per_step", "large_gaps_per_step")
+    if any(prof.get(k) is None for k in keys):
+        return None
+    span, busy, su, sn, lu, ln = (prof[k] for k in keys)
+    return (f"   device span {span:.1f} µs/step: busy {busy:.1f}, small gaps {su:.1f} ({sn:.1f} gaps), "
+            f"large gaps {lu:.1f} ({ln:.1f} gaps)")
+
+
 def profile_text(profiles: list[dict], top: int = 30) -> str:
     """Per-kernel summaries (per step) of each profiled run, categories, and the diff of the first two runs
     of each preset (e.g. ``callback`` against ``nemo_callback``)."""
@@ -358,6 +369,9 @@ def profile_text(profiles: list[dict], top: int = 30) -> str:
             out.append(f"== {preset} / {p['variant']}: steps {prof['first_step']}–{prof['first_step'] + prof['steps'] - 1}, "
                        f"{prof['activity']} time {prof['device_us_per_step']:.1f} µs/step, "
                        f"{sum(c for c, _ in per.values()):.1f} kernels/step, wall {prof['wall_ms_per_step']:.3f} ms/step")
+            gaps = _gaps_line(prof)
+            if gaps:
+                out.append(gaps)
             cats: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
             for name, (c, us) in per.items():
                 cats[kernel_category(name)][0] += c
@@ -379,6 +393,13 @@ def profile_text(profiles: list[dict], top: int = 30) -> str:
             out.append(f"== {preset}: {a['variant']} (A) against {b['variant']} (B), per step; sorted by |µs A − µs B|")
             out.append(f"   total µs/step A {a['profile']['device_us_per_step']:.1f}  B {b['profile']['device_us_per_step']:.1f}  "
                        f"kernels/step A {sum(c for c, _ in pa.values()):.1f}  B {sum(c for c, _ in pb.values()):.1f}")
+            ga, gb = a["profile"], b["profile"]
+            if any(g.get("span_us_per_step") is not None for g in (ga, gb)):
+                out.append("   device µs/step  " + "  ".join(
+                    f"{label} A {_f(ga.get(k), '.1f')}  B {_f(gb.get(k), '.1f')}"
+                    for label, k in (("span", "span_us_per_step"), ("busy", "busy_us_per_step"),
+                                     ("small gaps", "small_gaps_us_per_step"),
+                                     ("large gaps", "large_gaps_us_per_step"))))
             out.append(f"   {'cnt A':>7s} {'cnt B':>7s} {'µs A':>9s} {'µs B':>9s} {'A−B':>9s}  kernel")
             rows = []
             for name in set(pa) | set(pb):

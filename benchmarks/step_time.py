@@ -210,6 +210,39 @@ class SyncCounter:
         self.other = sorted({m.splitlines()[0][:160] for m in msgs if "synchroniz" not in m})
 
 
+def device_gaps(intervals: list[tuple[float, float]], steps: int, threshold_us: float = 5.0) -> dict:
+    """Where device time goes between kernels: (start, end) µs intervals of the window's device events merged
+    into busy intervals (one sort, one pass); idle gaps between consecutive busy intervals split at
+    ``threshold_us`` into small (device-side launch latency between dependent kernels, e.g. inside one graph)
+    and large (mostly the device waiting for the host). Totals and counts per step."""
+    busy = small_us = large_us = 0.0
+    n_small = n_large = 0
+    span = 0.0
+    iv = sorted(intervals)
+    if iv:
+        first = iv[0][0]
+        cur_s, cur_e = iv[0]
+        for s, e in iv[1:]:
+            if s > cur_e:
+                busy += cur_e - cur_s
+                gap = s - cur_e
+                if gap <= threshold_us:
+                    small_us += gap
+                    n_small += 1
+                else:
+                    large_us += gap
+                    n_large += 1
+                cur_s, cur_e = s, e
+            elif e > cur_e:
+                cur_e = e
+        busy += cur_e - cur_s
+        span = cur_e - first  # the last busy interval's end is the latest end of all
+    return {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+            "small_gaps_us_per_step": small_us / steps, "small_gaps_per_step": n_small / steps,
+            "large_gaps_us_per_step": large_us / steps, "large_gaps_per_step": n_large / steps,
+            "gap_threshold_us": float(threshold_us)}
+
+
 class Profiler:
     """torch.profiler over a few steps: per-kernel name, count, total µs (CPU ops on a machine without CUDA)."""
 
@@ -231,11 +264,13 @@ class Profiler:
         wall = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
         agg: dict[str, list[float]] = {}
+        spans: list[tuple[float, float]] = []  # device events' (start, end) µs, for device_gaps
         for e in self.prof.events():
             if self.cuda:
                 if e.device_type != torch.autograd.DeviceType.CUDA:
                     continue
                 us = e.time_range.elapsed_us()
+                spans.append((e.time_range.start, e.time_range.end))
             else:
                 us = e.self_cpu_time_total
             a = agg.setdefault(e.name, [0, 0.0])
@@ -245,6 +280,8 @@ class Profiler:
         self.result = {"first_step": self.first_step, "steps": self.steps, "activity": "CUDA" if self.cuda else "CPU",
                        "device_us_per_step": sum(k["total_us"] for k in kernels) / self.steps,
                        "wall_ms_per_step": wall * 1e3 / self.steps, "kernels": kernels}
+        if self.cuda:
+            self.result.update(device_gaps(spans, self.steps))
 
 
 def gpu_local_core() -> int:

@@ -422,6 +422,49 @@ def test_nan_guard_snapshot_reads_without_waiting(monkeypatch):
     assert g.check(raise_on_bad=False, window="in window 5") == "NaN guard: non-finite gradient in parameter 'a' in window 4."
 
 
+def test_nan_guard_loss_watch_reads_the_parameters_at_the_first_non_finite_loss_only():
+    """watch_loss: a finite loss reads nothing; the window's first non-finite loss counts the parameters that are bad
+    then (the one a bad gradient spoiled), later ones do not (by then the NaN has spread); a read in a window without
+    a non-finite loss scans the parameters (a bad value that never reached a loss); each read arms the watch again."""
+    nan = float("nan")
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    g = NanGuard([("a", a), ("b", b)], torch.device("cpu"), "full")
+    g.scan_params = True
+    g.watch_loss(torch.tensor(2.0))
+    assert g.check(raise_on_bad=False) is None and float(g.loss_sum) == 0.0
+    with torch.no_grad():
+        b[1] = nan  # a bad value no loss has seen yet: found by the read
+    g.watch_loss(torch.tensor(1.0))
+    assert g.check(raise_on_bad=False, window="w1") == "NaN guard: non-finite gradient or update of parameter 'b' w1."
+    with torch.no_grad():
+        b.fill_(1.0)
+        a[0] = nan  # the parameter a bad gradient spoiled; the next loss is NaN
+    g.watch_loss(torch.tensor(nan))
+    with torch.no_grad():
+        b.fill_(nan)  # spread by the NaN loss's update: not counted (the watch is disarmed, the read does not scan)
+    g.watch_loss(torch.tensor(nan))
+    with pytest.raises(NonFiniteError) as ei:
+        g.check(window="w2")
+    assert ei.value.parameter == "a" and " more)" not in str(ei.value) and "non-finite loss" in str(ei.value)
+    g.watch_loss(torch.tensor(nan))  # armed again after the read: every parameter is bad now
+    assert "'a' (and 1 more)" in g.check(raise_on_bad=False)
+    # The loss goes bad first (every parameter finite then): the next call counts what that step's update spoiled,
+    # whatever its loss, and nothing after that.
+    with torch.no_grad():
+        a.fill_(1.0)
+        b.fill_(1.0)
+    g.watch_loss(torch.tensor(nan))
+    with torch.no_grad():
+        b[0] = nan  # the update of the NaN-loss step spoiled b only
+    g.watch_loss(torch.tensor(3.0))
+    with torch.no_grad():
+        a[0] = nan
+    g.watch_loss(torch.tensor(nan))
+    with pytest.raises(NonFiniteError) as ei:
+        g.check(window="w3")
+    assert ei.value.parameter == "b" and " more)" not in str(ei.value), str(ei.value)
+
+
 def test_nan_guard_partial_gradients_use_index_plan():
     a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
     g = NanGuard([("a", a), ("b", b), ("c", c)], torch.device("cpu"), "full")

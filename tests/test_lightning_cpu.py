@@ -380,8 +380,8 @@ def test_fast_log_leaves_the_metric_as_lightnings_update(on_step, on_epoch, dtyp
     for v in (0.5, 0.25):
         value = torch.tensor(v, dtype=dtype).reshape(shape)
         lightning_.update_metrics("training_step.loss", value.clone().squeeze(), 3)
+        # the runner hands over each replay's own copy of the graph's output: kept without another copy
         assert _compat.fast_log(trainer, "training_step", "training_step.loss", value, 3)
-        value.fill_(99.0)  # the next replay overwrites the graph's output: Lightning must have kept a copy
         for r in (lightning_, ours):
             r.metrics(on_step=False)  # computes (and caches) an epoch value: the next update must drop it
     assert connector._current_fx == "training_step"
@@ -708,10 +708,14 @@ def test_callback_with_ddp_strategy_is_refused_naming_the_strategy_to_use():
     assert checks.setup_refusal(CaptureConfig(), t, m, "CudaGraphStrategy") is None
 
 
-def test_nan_guard_set_up_when_first_gradients_appear_on_the_sync_checked_warmup_step():
-    # TinyGPT.late first gets a gradient at batch 2, the last (sync-checked) warm-up step: the NaN guard builds
-    # its accumulator for the new set of gradients there, which must not be a host sync.
-    g, e = graphed_and_eager(module_kw={"late_param": True}, steps=10)
+@pytest.mark.parametrize("read", ["watched", "gradient-read"])
+def test_nan_guard_set_up_when_first_gradients_appear_on_the_sync_checked_warmup_step(read):
+    # TinyGPT.late first gets a gradient at batch 2, the last (sync-checked) warm-up step. Where the guard reads the
+    # gradients (here: clipping by value), it builds its check for the new set of gradients there (an index plan: the
+    # slots of a subset), which must not be a host sync. Where it watches the loss, nothing is built there.
+    kw = {"gradient_clip_val": 10.0, "gradient_clip_algorithm": "value"} if read == "gradient-read" else {}
+    g, e = graphed_and_eager(module_kw={"late_param": True}, steps=10, **kw)
+    assert bool(g.cb.step_runner.guard._checks) == (read == "gradient-read")
     assert g.stats.captures == 1 and g.stats.replays == 6, g.stats.summary()
     assert_same(g, e)
 
@@ -724,6 +728,23 @@ def test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay():
             fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_check_every": 4})
     assert info.value.parameter == name, str(info.value)
     assert "global step 4 up to 8" in str(info.value)
+
+
+def test_nan_guard_names_the_parameter_when_its_read_comes_long_after_the_bad_step():
+    """One read at fit end, 8 steps after the poisoned one. The next forward after a bad gradient gives a NaN loss and
+    then NaN gradients everywhere; the guard watches the loss and reads the parameters at the first NaN loss, so the
+    read still names the one bad parameter, not the first of every parameter spoiled after it. And the guard reads
+    no gradient in these steps (no per-step check built)."""
+    name = "model.blocks.0.mlp.fc.weight"
+    cb = CudaGraphCallback(nan_check_every=50)
+    cb.step_runner.backend = TapeBackend()
+    with pytest.raises(NonFiniteError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(graphed=False, steps=12, poison_at=3, module_kw={"poison_param": name}, callbacks=[cb])
+    assert info.value.parameter == name and " more)" not in str(info.value), str(info.value)
+    assert "non-finite loss and non-finite gradient or update of parameter" in str(info.value), str(info.value)
+    assert cb.stats.replays >= 8 and not cb.step_runner.guard._checks, cb.stats.summary()
 
 
 class _ClipsByValueItself(pl.Callback):

@@ -34,11 +34,12 @@ class CaptureConfig:
             graph and captures the new one.
         on_capture_error: ``"raise"`` stops with a :class:`CaptureError` naming your file:line;
             ``"eager"`` warns once and trains eagerly from then on.
-        nan_guard: ``True``/``"full"``: device-side finite check of the loss and of every
-            parameter's gradient (before clipping) each step; with Lightning's clipping by norm it reads
-            the per-parameter norms clipping computes instead of the gradients. ``"loss"``: the loss
-            only (free); ``False``: off. Read every ``nan_check_every`` steps (queued, no host sync) and
-            at epoch end.
+        nan_guard: ``True``/``"full"``: device-side NaN/Inf detection that names the parameter. Without
+            clipping (one process, ``nan_action="raise"``) it watches the loss and reads the parameters at
+            the first non-finite loss only (one small kernel per step); with Lightning's clipping by norm it
+            reads the per-parameter norms clipping computes; otherwise it reads every gradient (before
+            clipping) each step. ``"loss"``: the loss only (free); ``False``: off. Read every
+            ``nan_check_every`` steps (queued, no host sync) and at epoch end.
         nan_check_every: steps between reads of the NaN flags. Each read is queued (a pinned copy and an
             event) and reported by the first later step that finds it written, usually one or two steps
             later; the reads at epoch and fit end wait (one sync each).

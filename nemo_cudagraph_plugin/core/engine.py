@@ -29,7 +29,7 @@ not: Python side effects of ``fn`` (counters, hooks, prints) run once, at captur
 repeats what it needs after each replay (``after_replay``). Hazards covered here:
 
 * inputs at fixed addresses: :class:`~.buffers.StaticInputs`, copied in before each replay;
-* outputs overwritten by the next replay: tensor outputs are cloned after every replay;
+* outputs overwritten by the next replay: tensor outputs are copied into fresh memory after every replay (one launch);
 * host syncs inside the step: the last warm-up runs with sync errors on and failures are
   reported at the user's file:line (:mod:`.errors`);
 * re-allocated state: each graph records the address of every tensor it reads or writes across
@@ -71,6 +71,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch_compat import copy_all
 from .backend import GraphBackend, default_backend
 from .buffers import StaticInputs, flatten, signature_of, unflattener
 from .config import CaptureConfig, CaptureStats
@@ -103,19 +104,20 @@ class GraphEntry:
     keep: list[Any]
     #: the graph writes the gradients fresh (captured with them set to None first)
     owns_grads: bool = False
-    #: clone only the first N output leaves (the adapter consumes the rest before the next replay)
-    clone_first: Optional[int] = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._build = unflattener(self.out_spec)  # decided once: outputs() runs after every replay
 
     def outputs(self) -> Any:
-        # Clone: the next replay overwrites the static outputs, and a user may keep this step's loss.
-        leaves, n = self.out_leaves, self.clone_first
-        if n is None:
-            return self._build([t.clone() for t in leaves])
-        return self._build([t.clone() for t in leaves[:n]] + leaves[n:])
+        """This replay's outputs in fresh memory: the next replay overwrites the static outputs, and a user may keep
+        this step's loss. One copy launch for all of them (a clone each would be a launch each on the step's
+        stream)."""
+        leaves = self.out_leaves
+        fresh = [torch.empty_like(t) for t in leaves]
+        if fresh:
+            copy_all(fresh, leaves)
+        return self._build(fresh)
 
 
 class _Flag:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ._torch_compat import foreach_max_abs
 
-__all__ = ["FiniteCheck", "capturing", "table_length", "triton_available", "BLOCK", "ITERS", "NUM_WARPS"]
+__all__ = ["FiniteCheck", "arm", "capturing", "table_length", "triton_available", "BLOCK", "ITERS", "NUM_WARPS"]
 
 # Elements per load (BLOCK), loads per program (ITERS), warps per program: the fastest of the shapes tried on
 # an H200 for the small preset's gradients (benchmarks/nan_guard.py prints the sweep).
@@ -95,6 +95,66 @@ def _kernel() -> Any:
             tl.atomic_add(step_acc, n_bad, mask=n_bad > 0)
 
     return count_nonfinite_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _watch_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n_tensors", "n_chunks"])
+    def watch_nonfinite_kernel(
+        table, n_tensors, n_chunks, acc, loss, loss_sum, state, ref,
+        BLOCK: tl.constexpr, ITERS: tl.constexpr, ADD_LOSS: tl.constexpr,
+    ):
+        # state: [stage, done, found] (float32). Stage 2 = armed: a non-finite loss makes every program walk its
+        # chunks (grid-stride) and count non-finite elements like count_nonfinite_kernel. Stage 1 = the first
+        # non-finite loss found every tensor finite (the loss went bad first): count at the next call, whatever its
+        # loss, what that step's update spoiled. Stage 0 = done until re-armed. The last program to finish sets the
+        # next stage: each program reads the stage before its atomic increment of `done`, so none can miss it.
+        pid = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        x = tl.load(loss).to(tl.float32)
+        stage = tl.load(state)
+        if ADD_LOSS:
+            if pid == 0:
+                tl.store(loss_sum, tl.load(loss_sum) + x)
+        loss_bad = (x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
+        if (loss_bad & (stage == 2.0)) | (stage == 1.0):
+            found = 0.0
+            for c in range(pid, n_chunks, n_prog):
+                t = tl.load(table + 4 * n_tensors + c)
+                numel = tl.load(table + n_tensors + t)
+                base = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+                start = (c - tl.load(table + 2 * n_tensors + t)) * (BLOCK * ITERS)
+                bad = tl.zeros([BLOCK], dtype=tl.int32)
+                for i in tl.static_range(ITERS):
+                    offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                    v = tl.load(base + offs, mask=offs < numel, other=0.0).to(tl.float32)
+                    bad += ((v.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+                n_bad = tl.sum(bad, axis=0).to(tl.float32)
+                slot = tl.load(table + 3 * n_tensors + t)
+                tl.atomic_add(acc + slot, n_bad, mask=n_bad > 0)
+                found += n_bad
+            tl.atomic_add(state + 2, found, mask=found > 0)
+            if tl.atomic_add(state + 1, 1.0) == n_prog - 1:
+                total = tl.atomic_add(state + 2, 0.0)
+                tl.store(state, tl.where((stage == 2.0) & (total == 0.0), 1.0, 0.0))
+                tl.store(state + 1, 0.0)
+                tl.store(state + 2, 0.0)
+
+    return watch_nonfinite_kernel
+
+
+def arm(state: Tensor) -> None:
+    """Arm a :meth:`FiniteCheck.watch` state (device op): the next non-finite loss counts the tensors."""
+    state[:, 0].fill_(2.0)
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Programs of a watch launch: one per SM, so the common case (a finite loss) is a single short wave."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _Launch:
@@ -168,7 +228,7 @@ class FiniteCheck:
         if block < 16 or block & (block - 1) or iters < 1:
             raise ValueError(f"FiniteCheck(block={block}, iters={iters}): block must be a power of two >= 16, iters >= 1")
         self.block, self.iters, self.num_warps = block, iters, num_warps
-        device = tensors[0].device
+        device = self._device = tensors[0].device
         want = triton_available() if use_triton is None else use_triton
         fused = bool(want and device.type == "cuda")
         groups: dict[torch.dtype, list[int]] = {}
@@ -207,6 +267,59 @@ class FiniteCheck:
         """Write the metadata of a check built during a capture into its ``table`` (after the capture)."""
         for launch in self.launches:
             launch.fill()
+
+    def watch_state(self) -> Tensor:
+        """The state :meth:`watch` keeps: one row ``[stage, done, found]`` (float32) per launch and one for the torch
+        ops, armed (stage 2). Allocate it outside any capture; :func:`arm` re-arms it."""
+        state = torch.zeros(len(self.launches) + 1, 3, dtype=torch.float32, device=self._device)
+        arm(state)
+        return state
+
+    @staticmethod
+    def can_watch(loss: Tensor) -> bool:
+        """Whether the Triton launches of :meth:`watch` can read this loss (else build the check with
+        ``use_triton=False``)."""
+        return loss.numel() == 1 and loss.dtype in _FUSED_DTYPES
+
+    def watch(self, acc: Tensor, loss: Tensor, loss_sum: Tensor, state: Tensor) -> None:
+        """``loss_sum += loss``, and count each tensor's non-finite elements into its slot of ``acc`` only where it
+        tells what went bad first: at the first NaN/Inf ``loss`` after :func:`arm`; and, when every tensor was finite
+        then (the loss went bad first), once more at the next call, which sees what that step's update spoiled.
+
+        One launch per dtype group with Triton, whose programs read the loss and the stage and return (a few
+        microseconds per step); the tensors are read at those one or two calls only. Without Triton the torch ops
+        read the tensors on every call (branch-free: no host sync). Safe inside a capture.
+        """
+        loss = loss.detach()
+        if self.launches:
+            if not self.can_watch(loss):
+                raise ValueError("FiniteCheck.watch: a 1-element float32/bf16/fp16 loss is needed for the Triton launches")
+            if not capturing(self._device):
+                self.fill()
+                stream = torch.cuda.current_stream(self._device)
+                for launch in self.launches:
+                    launch.table.record_stream(stream)
+            kernel = _watch_kernel()
+            for j, launch in enumerate(self.launches):
+                kernel[(min(launch.grid[0], _programs(self._device)),)](
+                    launch.table, launch.n, launch.grid[0], acc, loss, loss_sum, state[j], launch.ref,
+                    BLOCK=self.block, ITERS=self.iters, ADD_LOSS=j == 0, num_warps=4,
+                )
+        else:
+            loss_sum.add_(loss.reshape(()))
+        if self._fallback:
+            stage = state[-1, 0]
+            fire = (torch.isfinite(loss.reshape(()).float()).logical_not_() & (stage == 2)) | (stage == 1)
+            found = torch.zeros((), dtype=acc.dtype, device=acc.device)
+            for tensors, index, _ in self._fallback:
+                bad = torch.isfinite(torch.stack(foreach_max_abs(tensors))).logical_not_().to(acc.dtype) * fire
+                if index is None:
+                    acc[: len(tensors)].add_(bad)
+                else:
+                    acc.index_add_(0, index, bad)
+                found = found + bad.sum()
+            nxt = torch.where((stage == 2) & (found == 0), 1.0, 0.0)
+            state[-1, 0].copy_(torch.where(fire, nxt, stage))
 
     def run(self, acc: Tensor, step_acc: Optional[Tensor] = None) -> None:
         """Add each tensor's non-finite count into ``acc`` (float32); also their total into ``step_acc``.

@@ -15,6 +15,19 @@ mark per non-finite gradient into its slot: three small kernels on a vector of n
 every gradient. The norms are taken before the clip factor multiplies the gradients, so a NaN is still attributed
 to its own parameter.
 
+**Watching the loss instead of reading the gradients.** Where nothing mixes the gradients (no clipping, no
+accumulation across processes), a non-finite gradient leaves a non-finite value in its own parameter after the update
+(``p - lr * NaN``; Adam's ``inf / sqrt(inf)``), and the next forward that uses it gives a non-finite loss, after which
+every gradient and parameter goes bad. So such a step reads no gradient: :meth:`NanGuard.watch_loss`, before the
+step's backward, adds the loss into its accumulator and, at the *first* non-finite loss of a read window only, counts
+the non-finite values of every parameter into its slot (one kernel per step, whose programs return at once while the
+loss is finite). That names the parameters the bad gradient spoiled, not the ones spoiled after them. A parameter
+whose bad value never reaches a loss is found by the read: a read in a window without a non-finite loss scans the
+parameters. A loss that goes non-finite first (an overflow in the forward, a bad term of the loss) finds every
+parameter finite; the parameters are then counted once more at the next step, which names what that step's update
+spoiled (every parameter after an overflow; one after a term on one parameter). Training is not changed: no update
+is skipped.
+
 Reading them does not sync either: every ``check_every`` steps :meth:`NanGuard.snapshot` queues a copy
 into pinned host memory and clears them, in stream order; :meth:`NanGuard.poll` reads that copy once
 the GPU has written it (an event query, no wait), usually a step or two later, and only then maps a bad
@@ -32,7 +45,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import NonFiniteError
-from .finite import FiniteCheck, capturing, table_length
+from .finite import FiniteCheck, arm, capturing, table_length
 
 __all__ = ["NanGuard"]
 
@@ -84,6 +97,11 @@ class NanGuard:
         self._stage: Optional[Tensor] = None
         self._host: Optional[Tensor] = None
         self._skipped_host = 0
+        # Set once a step read no gradient (watch_loss()): every read scans the parameters first.
+        self.scan_params = False
+        self._param_check: Optional[tuple[Any, FiniteCheck, Tensor]] = None
+        self._nan: Optional[Tensor] = None  # what a read hands the watch kernel: "scan if still armed"
+        self._scratch: Optional[Tensor] = None
 
     def set_params(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
         """Check these parameters from now on (the trainable set changed; graphs using the old checks are
@@ -98,6 +116,7 @@ class NanGuard:
         self._pending.clear()
         self._table_len = table_length([p.numel() for p in self.params])
         self._spare = self._stage = self._host = None
+        self._param_check = None
 
     def norm_tap(self) -> _NormTap:
         """A context around gradient clipping: the per-parameter norms it computes mark the non-finite gradients.
@@ -148,6 +167,37 @@ class NanGuard:
         found_inf.copy_(bad.to(found_inf.dtype).reshape(found_inf.shape))
         self.skipped.add_(bad)
 
+    def watch_loss(self, loss: Tensor) -> None:
+        """Before the step's backward (so before its optimizer update): add ``loss`` into the accumulator (in place of
+        :meth:`observe_loss` for this step) and, at the first non-finite loss of the read window, count the
+        non-finite values of every parameter into its slot (module docstring). One kernel; device work only.
+        A step watched this way may read no gradient: set :attr:`scan_params` (reads then scan the parameters)."""
+        loss = loss.detach()
+        check, state = self._param_watch(loss)
+        check.watch(self.grad_bad, loss, self.loss_sum, state)
+
+    def _param_watch(self, loss: Optional[Tensor] = None) -> tuple[FiniteCheck, Tensor]:
+        """The check over the parameters (rebuilt when one was re-allocated) and its watch state. Built in an eager
+        step (every capture follows one), so its memory is outside every graph pool."""
+        ptrs = tuple(p.data_ptr() for p in self.params)
+        triton = loss is None or FiniteCheck.can_watch(loss)
+        cur = self._param_check
+        if cur is None or cur[0] != (ptrs, triton):
+            check = FiniteCheck(self.params, list(range(len(self.params))), use_triton=None if triton else False)
+            cur = self._param_check = ((ptrs, triton), check, check.watch_state())
+        return cur[1], cur[2]
+
+    def _scan(self) -> None:
+        """At a read: if no non-finite loss was watched in this window (or its second count is due), add each
+        parameter's number of non-finite elements into its slot (a bad value that never reached a loss). After one
+        was, the watch's count stands: by now the bad value has spread to every parameter. Decided on the device
+        (the watch kernel handed a NaN loss), no sync."""
+        check, state = self._param_watch()
+        if self._nan is None:
+            self._nan = torch.full((), float("nan"), dtype=torch.float32, device=self.device)
+            self._scratch = torch.zeros((), dtype=torch.float32, device=self.device)
+        check.watch(self.grad_bad, self._nan, self._scratch, state)
+
     def after_capture(self) -> None:
         """Write the metadata of the checks built during the capture that just ended (before its first replay)."""
         for check in self._pending:
@@ -156,7 +206,8 @@ class NanGuard:
 
     def state_tensors(self) -> list[Tensor]:
         """The accumulators (a verification run restores them: the Triton kernel bypasses torch's dispatcher)."""
-        return [self.loss_sum, self.grad_bad, self.skipped, self._step_bad]
+        watch = [self._param_check[2]] if self._param_check is not None else []
+        return [self.loss_sum, self.grad_bad, self.skipped, self._step_bad, *watch]
 
     # -- host side ---------------------------------------------------------------------------
     @property
@@ -172,6 +223,8 @@ class NanGuard:
         """
         if self._read is not None:
             self._wait_and_take()
+        if self.scan_params:
+            self._scan()
         n = 2 + len(self.params)
         if self._stage is None:
             self._stage = torch.empty(n, dtype=torch.float32, device=self.device)
@@ -211,6 +264,8 @@ class NanGuard:
         ``raise_on_bad=False`` (skip mode) the report is returned and the accumulators are cleared.
         """
         first = self._wait_and_take(raise_on_bad) if self._read is not None else None
+        if self.scan_params:
+            self._scan()
         vals = torch.cat([self.loss_sum.reshape(1), self.skipped.reshape(1), self.grad_bad]).tolist()
         self.reset()
         self._skipped_host = int(vals[1])
@@ -225,6 +280,8 @@ class NanGuard:
         if bad_params:
             extra = f" (and {len(bad_params) - 1} more)" if len(bad_params) > 1 else ""
             what = f"non-finite gradient in parameter '{bad_params[0]}'{extra}"
+            if self.scan_params:  # a slot counts the parameter's own values too
+                what = f"non-finite gradient or update of parameter '{bad_params[0]}'{extra}"
             if loss_bad:
                 what = "non-finite loss and " + what
         else:
@@ -232,6 +289,7 @@ class NanGuard:
                 "" if self.mode == "full" else " (nan_guard='loss' does not check gradients; nan_guard=True names the parameter)"
             )
         report = f"NaN guard: {what}{(' ' + window) if window else ''}."
+
         if raise_on_bad:
             raise NonFiniteError(
                 report + " Lower the learning rate, check the data of those steps, or enable gradient clipping; "
@@ -252,6 +310,8 @@ class NanGuard:
     def reset(self) -> None:
         self.loss_sum.zero_()
         self.grad_bad.zero_()
+        if self._param_check is not None:
+            arm(self._param_check[2])  # the next window's first non-finite loss reads the parameters again
 
 
 _FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar

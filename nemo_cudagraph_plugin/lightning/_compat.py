@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _get_de
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from packaging.version import Version
 
+from ..core.buffers import flatten
 from ..core.warn import check_tested_version
 
 __all__ = [
@@ -111,6 +112,47 @@ def around_clip_by_norm(trainer: pl.Trainer, around: Callable[..., Any]) -> Call
     return lambda: precision.__dict__.pop("clip_grad_by_norm", None)
 
 
+def around_batch_transfer(trainer: pl.Trainer, stream: Any) -> Optional[Callable[[], None]]:
+    """Copy this trainer's training batches to the GPU on ``stream`` instead of the training stream.
+
+    On the training stream each host-to-device copy of a batch waits for the queued steps and the next step waits
+    for it: a few microseconds of device time per tensor, per step. On a stream of its own the copy runs while
+    earlier steps still run; the training stream then waits for it (an event, already complete when reached), and
+    the copied tensors are marked as used by the training stream so the allocator cannot hand their memory out
+    early. Done only where the transfer is Lightning's own (``Strategy.batch_to_device`` and no
+    ``transfer_batch_to_device``/``on_after_batch_transfer`` of the module or datamodule): such code may read
+    device memory the training stream writes, which a copy on another stream would not wait for. Routes this
+    strategy instance's ``batch_to_device`` only; returns the undo, or ``None`` where nothing was routed.
+    """
+    from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    strategy = trainer.strategy
+    if type(strategy).batch_to_device is not Strategy.batch_to_device:
+        return None
+    for obj in (trainer.lightning_module, trainer.datamodule):
+        if obj is not None and any(
+            is_overridden(h, obj) for h in ("transfer_batch_to_device", "on_after_batch_transfer")
+        ):
+            return None
+    original = strategy.batch_to_device
+    main = torch.cuda.current_stream(trainer.lightning_module.device)
+
+    def batch_to_device(batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        if not trainer.training:
+            return original(batch, device, dataloader_idx)
+        with torch.cuda.stream(stream):
+            out = original(batch, device, dataloader_idx)
+        main.wait_stream(stream)
+        for t in flatten(out)[0]:
+            if t.is_cuda:
+                t.record_stream(main)
+        return out
+
+    strategy.batch_to_device = batch_to_device
+    return lambda: strategy.__dict__.pop("batch_to_device", None)
+
+
 def step_key(trainer: pl.Trainer, loop: Any, batch_idx: int) -> StepKey:
     """The :class:`StepKey` of this batch, decided exactly as ``run`` decides it."""
     k = trainer.accumulate_grad_batches
@@ -185,8 +227,9 @@ def fast_log(trainer: pl.Trainer, fx: str, key: str, value: Any, batch_size: Opt
     needed: first emission, a new epoch's reset, several dataloaders.
 
     Called only inside a training step (the runner's), so the fit loop's result collection is the active one.
-    ``value`` must be a single-element tensor the next replay does not overwrite before Lightning copies it
-    (``_ResultMetric.update`` clones what it keeps).
+    ``value`` must be a single-element tensor in memory of its own that nothing writes afterwards (the runner hands
+    over each replay's copy of the graph's output): a value already in the dtype Lightning keeps is kept as it is,
+    without the copy ``LightningModule.log`` makes.
     """
     results = trainer.fit_loop._results  # what `trainer._results` returns while training, without its checks
     if results.dataloader_idx is not None:
@@ -209,9 +252,9 @@ def fast_log(trainer: pl.Trainer, fx: str, key: str, value: Any, batch_size: Opt
     meta = metric.meta
     if meta.on_step and not meta.on_epoch and metric.is_tensor and value.is_floating_point():
         # Logged on step only: update() keeps sync(the value in the default dtype, copied) as both the value and
-        # the forward cache. One kernel converts and copies (update launches two for a bf16 loss).
+        # the forward cache. The value is a copy already; a bf16 one is converted (one kernel; update launches two).
         dtype = value.dtype if value.dtype in _FULL else _default_dtype()
-        metric._forward_cache = metric.value = meta.sync(value.to(dtype, copy=True))
+        metric._forward_cache = metric.value = meta.sync(value.to(dtype))
     else:
         _UPDATE(metric, value, batch_size)
     metric.has_reset = False

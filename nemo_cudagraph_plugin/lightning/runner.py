@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from ..core.backend import GraphBackend
-from ..core.buffers import flatten
 from ..core.config import CaptureConfig, CaptureStats
 from ..core.engine import CaptureEngine, GraphEntry
 from ..core.errors import CaptureError, locate_frames
@@ -95,7 +94,6 @@ class LightningStepRunner:
         self._fp8_handle: Any = None
         self._ddp = False
         self._fresh = False
-        self._last_n_out: Optional[int] = None
         self._hp_changes = 0
         self._checked_at = 0
         self.modules: Optional[ModuleStateWatch] = None
@@ -107,6 +105,12 @@ class LightningStepRunner:
         self._defer = False
         self._can_defer = False
         self._undo_clip: Optional[Callable[[], None]] = None
+        # The NaN guard watches the loss instead of reading the gradients (where nothing mixes them); whether this
+        # step was watched (its loss then went into the accumulator with the watch, and no gradient is read).
+        self._watch = False
+        self._watched = False
+        # Training batches are copied to the GPU on a stream of their own (_compat.around_batch_transfer).
+        self._undo_transfer: Optional[Callable[[], None]] = None
 
     @property
     def eager_reason(self) -> Optional[str]:
@@ -155,6 +159,13 @@ class LightningStepRunner:
             self._refuse(why)
             return
         optimizer = trainer.optimizers[0]
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}
+        # The NaN guard may watch the loss instead of reading every gradient (core/nan_guard.py): its reads then
+        # scan the parameters, which must be plain tensors (not FP8 or distributed tensor subclasses), and a bad
+        # gradient must stay in its own parameter (one process: no all-reduce mixing them).
+        self._watch = (self.config.nan_mode == "full" and self.config.nan_action == "raise" and not self._ddp
+                       and all(type(p.data) is Tensor for _, p in named))
         try:
             self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_action == "skip")
             self.prep.apply()
@@ -163,8 +174,6 @@ class LightningStepRunner:
             self._refuse(Refusal("optimizer", str(exc).rstrip(".")))
             return
         self._optimizer = optimizer
-        self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}
-        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         if self.config.nan_mode != "off" or self.config.nan_action == "skip":
             self.guard = NanGuard(named, pl_module.device, "full" if self.config.nan_mode == "off" else self.config.nan_mode)
         self._loop = _compat.automatic_loop(trainer)
@@ -214,6 +223,8 @@ class LightningStepRunner:
         self._hooks.append(optimizer.register_load_state_dict_post_hook(lambda *_: self._mark_dirty(reprep=True)))
         self._hooks.append(pl_module.register_load_state_dict_post_hook(lambda *_: self._mark_dirty()))
         self._install_te(optimizer, pl_module)
+        if self.backend is None and pl_module.device.type == "cuda":
+            self._undo_transfer = _compat.around_batch_transfer(self.trainer, torch.cuda.Stream(pl_module.device))
         if self.guard is not None and self.guard.mode == "full" and self.config.nan_action == "raise":
             # Lightning's own clipping (not a module's configure_gradient_clipping override) computes one norm per
             # gradient: the NaN guard reads those instead of reading every gradient again.
@@ -271,6 +282,9 @@ class LightningStepRunner:
         if self._undo_clip is not None:
             self._undo_clip()
             self._undo_clip = None
+        if self._undo_transfer is not None:
+            self._undo_transfer()
+            self._undo_transfer = None
         if self.prep is not None:
             self.prep.restore()
         if self.engine is not None:
@@ -322,6 +336,7 @@ class LightningStepRunner:
     def _recorded(self, call: Callable[[], Any], quiet: bool) -> Any:
         """Run ``call`` (an eager step or a capture) with logs recorded and counter increments measured."""
         before = _compat.progress_snapshot(self._loop)
+        self._watched = False
         out, values, token = self.logs.run(call, quiet)
         if self._defer:  # the step clipped nothing after all: check its (unchanged) gradients now
             self._defer = False
@@ -329,8 +344,9 @@ class LightningStepRunner:
         # What the step's own Python set is the state a capture of it bakes in; changes after this are the user's.
         self.modules.rebase()
         self._last_delta = _compat.ProgressDelta(before, _compat.progress_snapshot(self._loop))
-        self._last_n_out = len(flatten(out)[0])
-        if self.guard is not None and isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
+        if self._watched:
+            self._watched = False  # its loss went into the accumulator with the watch
+        elif self.guard is not None and isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
             self.guard.observe_loss(out["loss"])
         return out, values, token
 
@@ -338,9 +354,8 @@ class LightningStepRunner:
         if self.guard is not None:
             self.guard.after_capture()  # before the first replay
         entry.meta["progress"] = self._last_delta
-        # The step's outputs are cloned per replay (a user may keep the loss); the logged values are
-        # handed to Lightning at once, which copies them (StepLogs.emit), so they are not cloned.
-        entry.clone_first = self._last_n_out
+        # Every output is copied into fresh memory after each replay, in one launch: the loss (a user may keep
+        # it) and the logged values, which Lightning then keeps without a copy of its own (StepLogs.emit).
         self.logs.keep_last()
         if not entry.out_leaves:
             warnings.warn("training_step returned no loss tensor; nothing is reported per step.", stacklevel=2)
@@ -433,14 +448,30 @@ class LightningStepRunner:
         if self.engine is not None:
             self.engine.dirty = True
 
+    def note_loss(self, loss: Tensor) -> None:
+        """The loss about to be back-propagated (``on_before_backward``, every micro-batch).
+
+        Where nothing mixes the gradients (no clipping; see ``bind``), the NaN guard watches this loss instead of
+        reading the gradients: one kernel that reads the parameters only at the first non-finite loss.
+        """
+        guard = self.guard
+        if (self._watch and guard is not None and self.active and self._can_defer and self._key is not None
+                and not self._key.gradient_clip[0] and isinstance(loss, Tensor)):
+            guard.watch_loss(loss)
+            self._watched = True
+
     def observe_grads(self) -> None:
         """Called right before clipping and the optimizer step (inside the captured region).
 
-        When this step clips by norm with Lightning's own clipping and the gradients share one dtype, the check
-        is deferred to :meth:`_clip_by_norm`, which reads the per-parameter norms clipping computes anyway.
+        A step whose loss was watched (:meth:`note_loss`) reads no gradient. When this step clips by norm with
+        Lightning's own clipping and the gradients share one dtype, the check is deferred to :meth:`_clip_by_norm`,
+        which reads the per-parameter norms clipping computes anyway.
         """
         guard = self.guard
         if guard is None or not self.active:
+            return
+        if self._watched:
+            guard.scan_params = True  # a bad gradient stays in its own parameter: the reads scan them
             return
         if self._can_defer and _clips_by_norm(self._key) and len({p.grad.dtype for p in guard.params if p.grad is not None}) == 1:
             self._defer = True

@@ -129,6 +129,10 @@ class CudaGraphStrategy(Strategy):
         super().on_train_batch_start(batch, batch_idx)
         self.step_runner.count_unbound_step()
 
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.step_runner.note_loss(closure_loss)  # what the NaN guard watches (before backward, every micro-batch)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         runner = self.step_runner
 

@@ -244,17 +244,102 @@ def _poisoned():
 
 @pytest.mark.parametrize("clip", [None, "norm"])
 def test_nan_guard_names_parameter(clip):
-    """With clipping by norm the guard reads the per-parameter norms of ``torch._foreach_norm`` (no read of its own,
-    no FiniteCheck built) and still names the one bad parameter. The read ends at the poisoned step (the 13th): with
-    clipping, that step's NaN clip factor makes every parameter NaN, so later steps' gradients are all non-finite."""
+    """No clipping: the guard watches the loss (the poisoned step's loss is NaN through a term on ``bad`` alone, every
+    parameter still finite) and counts the parameters once more after that step's update: ``bad``. With clipping by
+    norm it reads the per-parameter norms of ``torch._foreach_norm``. Neither builds a read of its own (no
+    FiniteCheck). The read ends at the poisoned step (the 13th): with clipping, that step's NaN clip factor makes
+    every parameter NaN, so later steps' gradients are all non-finite."""
     cb = CudaGraphCallback(nan_check_every=13)
     kw = {"gradient_clip_val": 1.0, "gradient_clip_algorithm": clip} if clip else {}
     with pytest.raises(NonFiniteError) as ei:
         fit(_poisoned(), [cb, _PoisonAt(12)], 40, **kw)
     assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
     assert cb.stats.replays > 0
-    assert bool(cb.step_runner.guard._checks) == (clip is None)
+    assert not cb.step_runner.guard._checks
     print(f"\nNAN GUARD (clip={clip}): {ei.value}")
+
+
+class _GradPoisoned(type(make_module())):
+    """The loss is scaled by ``bad.mean()`` and ``bad``'s gradient is multiplied by NaN in the poisoned step: only
+    that gradient turns NaN, that step's loss stays finite, and from the next step on the NaN in ``bad`` reaches the
+    loss and every gradient. ``fused``: torch's fused AdamW, else its default (foreach) one."""
+
+    def __init__(self, *a, fused=False, **k):
+        super().__init__(*a, **k)
+        self.fused = fused
+        self.bad = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("poison", torch.zeros(4))  # set by _PoisonAt: NaN in the poisoned step, else 0
+        self.bad.register_hook(lambda g: g * (1 + self.poison))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.bad.mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_nan_guard_watching_the_loss_names_parameter_long_after_the_bad_step(fused):
+    """No clipping: no gradient is read in the step (no FiniteCheck built); the guard watches the loss. The read comes
+    27 steps after the poisoned one, long after the NaN spread to every gradient and parameter, and still names the
+    one bad parameter: the parameters were counted at the first NaN loss only."""
+    pl.seed_everything(0, verbose=False)
+    from recipes.gpt import get_config
+
+    cb = CudaGraphCallback(nan_check_every=50)
+    with pytest.raises(NonFiniteError) as ei:
+        fit(_GradPoisoned(get_config("tiny", n_layer=2, seq_len=256), fused=fused), [cb, _PoisonAt(12)], 40)
+    assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
+    assert "non-finite loss and non-finite gradient or update of parameter 'bad'" in str(ei.value), str(ei.value)
+    assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
+    print(f"\nNAN GUARD (watched, fused={fused}): {ei.value}")
+
+
+def test_nan_guard_watch_names_the_parameter_when_the_loss_goes_bad_first():
+    """The poisoned step's loss is NaN through a term on ``bad`` (every parameter finite then); the read comes 17 steps
+    later. The watch counts the parameters once more after that step's update: ``bad``, and only ``bad``."""
+    cb = CudaGraphCallback(nan_check_every=50)
+    with pytest.raises(NonFiniteError) as ei:
+        fit(_poisoned(), [cb, _PoisonAt(12)], 30)
+    assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
+    assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
+
+
+class _SlowFused(type(make_module())):
+    """Fused AdamW, and about a millisecond of device time per step (a sleep kernel): the host runs many steps ahead."""
+
+    def training_step(self, batch, batch_idx):
+        torch.cuda._sleep(1_000_000)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_host_far_ahead_with_pinned_batches_copied_on_their_own_stream_equals_eager():
+    """Batches from pinned memory are copied to the GPU on the transfer stream while earlier steps still run, and
+    the host is many steps ahead of the device: every step must still train on its own batch (bitwise eager), with the
+    NaN guard watching the loss (a kernel per step that changes nothing while the loss is finite)."""
+    from recipes.gpt import get_config
+
+    routed = []
+
+    class Seen(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            routed.append("batch_to_device" in trainer.strategy.__dict__)
+
+    def run(cbs):
+        pl.seed_everything(0, verbose=False)
+        module = _SlowFused(get_config("tiny", n_layer=2, seq_len=256))
+        pinned = torch.utils.data.DataLoader(loader(30).dataset, batch_size=2, shuffle=False, pin_memory=True)
+        return fit(module, cbs, 30, train_loader=pinned)
+
+    cb = CudaGraphCallback()
+    _, g = run([cb, Seen()])
+    assert all(routed) and cb.stats.replays >= 25, (routed, cb.stats.summary())
+    _, e = run([CapturableEager()])
+    gl, el = g.loss_tensor(), e.loss_tensor()
+    assert torch.isfinite(gl).all() and torch.equal(gl, el), f"max rel diff {max_rel(gl, el):.3e}"
 
 
 def test_nan_guard_skip_mode_keeps_parameters_finite():

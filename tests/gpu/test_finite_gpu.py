@@ -190,3 +190,63 @@ def test_check_built_in_a_capture_after_freed_temporaries_reads_its_own_table():
     torch.cuda.synchronize()
     report = guard.check(raise_on_bad=False)
     assert report is not None and "'p1'" in report and "p0" not in report, report
+
+
+def test_loss_watch_kernel_counts_at_the_first_non_finite_loss_only_and_in_a_graph():
+    """``FiniteCheck.watch`` (Triton, grid-stride, one launch per dtype): counts equal torch's at the first NaN loss
+    (stage 2), nothing while the loss is finite or after it fired, the second count after a loss that went bad first
+    (stage 1), and the same when every call is one replay of a CUDA graph."""
+    nan = float("nan")
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    a = torch.randn(3 * PER_PROGRAM + 17, device=DEV, generator=gen).to(torch.bfloat16)  # several chunks
+    b = torch.randn(5, device=DEV, generator=gen).to(torch.bfloat16)
+    c = torch.randn(PER_PROGRAM + 1, device=DEV, generator=gen)  # float32: a second launch
+    tensors = [a, b, c]
+    check = FiniteCheck(tensors, [0, 1, 2])
+    assert len(check.launches) == 2
+    state = check.watch_state()
+    acc = torch.zeros(3, device=DEV)
+    loss_sum = torch.zeros((), device=DEV)
+    loss = torch.zeros((), device=DEV)
+
+    def call(v):
+        loss.fill_(v)
+        check.watch(acc, loss, loss_sum, state)
+
+    graph = torch.cuda.CUDAGraph()
+    for replay in (False, True):
+        acc.zero_()
+        finite.arm(state)
+        for t in tensors:
+            t.copy_(t.nan_to_num(0.0))
+        if replay:
+            call(1.0)  # the launch the graph records (a finite loss: nothing counted)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                check.watch(acc, loss, loss_sum, state)
+        step = (lambda v: (loss.fill_(v), graph.replay())) if replay else call
+        step(2.0)
+        assert float(acc.sum()) == 0.0
+        a[PER_PROGRAM + 5] = nan
+        a[-1] = nan
+        c[0] = float("inf")
+        step(nan)  # first NaN loss: counted
+        torch.cuda.synchronize()
+        assert acc.cpu().tolist() == _reference(tensors, [0, 1, 2], 3).tolist() == [2.0, 0.0, 1.0]
+        b.fill_(nan)  # spread: no longer counted
+        step(nan)
+        step(3.0)
+        assert acc.cpu().tolist() == [2.0, 0.0, 1.0]
+        # re-armed; the loss goes bad with every tensor finite: the next call counts what the update spoiled
+        acc.zero_()
+        finite.arm(state)
+        for t in tensors:
+            t.copy_(t.nan_to_num(0.0))
+        step(nan)
+        b[1] = nan
+        step(4.0)
+        c[3] = nan
+        step(nan)
+        torch.cuda.synchronize()
+        assert acc.cpu().tolist() == [0.0, 1.0, 0.0], replay
+        assert state[:, 0].tolist() == [0.0, 0.0, 2.0]  # both launches done; the torch-ops row unused
