@@ -289,7 +289,6 @@ class NanGuard:
                 "" if self.mode == "full" else " (nan_guard='loss' does not check gradients; nan_guard=True names the parameter)"
             )
         report = f"NaN guard: {what}{(' ' + window) if window else ''}."
-
         if raise_on_bad:
             raise NonFiniteError(
                 report + " Lower the learning rate, check the data of those steps, or enable gradient clipping; "
