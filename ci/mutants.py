@@ -442,6 +442,13 @@ MUTANTS: list[Mutant] = [
            ("tests/test_core.py::test_nan_guard_loss_watch_reads_the_parameters_at_the_first_non_finite_loss_only",
             LT + "test_nan_guard_names_the_parameter_when_its_read_comes_long_after_the_bad_step"),
            "a read scans the parameters although a non-finite loss was watched: it names every parameter spoiled since"),
+    Mutant("read-builds-its-own-watch", "cpu", NAN,
+           "        triton = (cur[0][1] if cur is not None and cur[0][0] == ptrs else True) if loss is None else "
+           "FiniteCheck.can_watch(loss)",
+           "        triton = loss is None or FiniteCheck.can_watch(loss)",
+           ("tests/test_core.py::test_nan_guard_read_keeps_the_watch_of_a_float64_loss",),
+           "a read builds a fresh, armed watch instead of the one the steps used (a float64 loss): it counts every "
+           "parameter the NaN spread to"),
     Mutant("loss-watch-not-re-armed", "cpu", NAN,
            "            arm(self._param_check[2])",
            "            pass",

@@ -465,6 +465,23 @@ def test_nan_guard_loss_watch_reads_the_parameters_at_the_first_non_finite_loss_
     assert ei.value.parameter == "b" and " more)" not in str(ei.value), str(ei.value)
 
 
+def test_nan_guard_read_keeps_the_watch_of_a_float64_loss():
+    """A loss the Triton launch cannot read (float64) is watched by the torch ops; the read must use that same watch
+    (its stage says it fired), not build another, armed one that counts the parameters the NaN spread to since."""
+    nan = float("nan")
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    g = NanGuard([("a", a), ("b", b)], torch.device("cpu"), "full")
+    g.scan_params = True
+    with torch.no_grad():
+        a[0] = nan
+    g.watch_loss(torch.tensor(nan, dtype=torch.float64))
+    with torch.no_grad():
+        b.fill_(nan)
+    with pytest.raises(NonFiniteError) as ei:
+        g.check(window="w")
+    assert ei.value.parameter == "a" and " more)" not in str(ei.value), str(ei.value)
+
+
 def test_nan_guard_partial_gradients_use_index_plan():
     a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
     g = NanGuard([("a", a), ("b", b), ("c", c)], torch.device("cpu"), "full")

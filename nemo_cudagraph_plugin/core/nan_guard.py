@@ -180,8 +180,9 @@ class NanGuard:
         """The check over the parameters (rebuilt when one was re-allocated) and its watch state. Built in an eager
         step (every capture follows one), so its memory is outside every graph pool."""
         ptrs = tuple(p.data_ptr() for p in self.params)
-        triton = loss is None or FiniteCheck.can_watch(loss)
         cur = self._param_check
+        # A read (no loss) uses the watch the steps use, whichever kind: its stage says whether it fired.
+        triton = (cur[0][1] if cur is not None and cur[0][0] == ptrs else True) if loss is None else FiniteCheck.can_watch(loss)
         if cur is None or cur[0] != (ptrs, triton):
             check = FiniteCheck(self.params, list(range(len(self.params))), use_triton=None if triton else False)
             cur = self._param_check = ((ptrs, triton), check, check.watch_state())
