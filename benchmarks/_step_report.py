@@ -372,6 +372,12 @@ def profile_text(profiles: list[dict], top: int = 30) -> str:
             gaps = _gaps_line(prof)
             if gaps:
                 out.append(gaps)
+            if prof.get("gap_pairs"):
+                out.append(f"   gaps over {prof['gap_detail_from_us']:.0f} µs by the events around them: "
+                           f"{'n/step':>6s} {'µs/step':>8s} {'mean µs':>8s}  before -> after")
+                for g in prof["gap_pairs"]:
+                    out.append(f"   {'':44s} {g['per_step']:6.2f} {g['us_per_step']:8.1f} {g['mean_us']:8.1f}  "
+                               f"{g['before'][:50]} -> {g['after'][:50]}")
             cats: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
             for name, (c, us) in per.items():
                 cats[kernel_category(name)][0] += c

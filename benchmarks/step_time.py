@@ -210,19 +210,25 @@ class SyncCounter:
         self.other = sorted({m.splitlines()[0][:160] for m in msgs if "synchroniz" not in m})
 
 
-def device_gaps(intervals: list[tuple[float, float]], steps: int, threshold_us: float = 5.0) -> dict:
+def device_gaps(intervals: list[tuple[float, float]], steps: int, threshold_us: float = 5.0,
+                names: Optional[list[str]] = None, detail_from_us: float = 2.0) -> dict:
     """Where device time goes between kernels: (start, end) µs intervals of the window's device events merged
     into busy intervals (one sort, one pass); idle gaps between consecutive busy intervals split at
     ``threshold_us`` into small (device-side launch latency between dependent kernels, e.g. inside one graph)
-    and large (mostly the device waiting for the host). Totals and counts per step."""
+    and large (mostly the device waiting for the host). Totals and counts per step. With ``names`` (one per
+    interval), ``gap_pairs`` lists the gaps over ``detail_from_us`` by the event that ended before them and the one
+    that began after them: which boundary of a step costs the time."""
     busy = small_us = large_us = 0.0
     n_small = n_large = 0
     span = 0.0
-    iv = sorted(intervals)
-    if iv:
-        first = iv[0][0]
-        cur_s, cur_e = iv[0]
-        for s, e in iv[1:]:
+    pairs: dict[tuple[str, str], list[float]] = {}
+    order = sorted(range(len(intervals)), key=lambda i: intervals[i])
+    if order:
+        first = intervals[order[0]][0]
+        cur_s, cur_e = intervals[order[0]]
+        last = order[0]  # the event of the current busy interval that ends last
+        for i in order[1:]:
+            s, e = intervals[i]
             if s > cur_e:
                 busy += cur_e - cur_s
                 gap = s - cur_e
@@ -232,15 +238,25 @@ def device_gaps(intervals: list[tuple[float, float]], steps: int, threshold_us: 
                 else:
                     large_us += gap
                     n_large += 1
-                cur_s, cur_e = s, e
+                if names is not None and gap > detail_from_us:
+                    a = pairs.setdefault((names[last], names[i]), [0, 0.0])
+                    a[0] += 1
+                    a[1] += gap
+                cur_s, cur_e, last = s, e, i
             elif e > cur_e:
-                cur_e = e
+                cur_e, last = e, i
         busy += cur_e - cur_s
         span = cur_e - first  # the last busy interval's end is the latest end of all
-    return {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
-            "small_gaps_us_per_step": small_us / steps, "small_gaps_per_step": n_small / steps,
-            "large_gaps_us_per_step": large_us / steps, "large_gaps_per_step": n_large / steps,
-            "gap_threshold_us": float(threshold_us)}
+    out = {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+           "small_gaps_us_per_step": small_us / steps, "small_gaps_per_step": n_small / steps,
+           "large_gaps_us_per_step": large_us / steps, "large_gaps_per_step": n_large / steps,
+           "gap_threshold_us": float(threshold_us)}
+    if names is not None:
+        out["gap_detail_from_us"] = float(detail_from_us)
+        out["gap_pairs"] = [{"before": b, "after": a, "per_step": c / steps, "us_per_step": t / steps,
+                             "mean_us": t / c}
+                            for (b, a), (c, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:12]]
+    return out
 
 
 class Profiler:
@@ -265,12 +281,16 @@ class Profiler:
         self.prof.__exit__(None, None, None)
         agg: dict[str, list[float]] = {}
         spans: list[tuple[float, float]] = []  # device events' (start, end) µs, for device_gaps
+        span_names: list[str] = []
+        span_streams: list[int] = []
         for e in self.prof.events():
             if self.cuda:
                 if e.device_type != torch.autograd.DeviceType.CUDA:
                     continue
                 us = e.time_range.elapsed_us()
                 spans.append((e.time_range.start, e.time_range.end))
+                span_names.append(e.name)
+                span_streams.append(int(getattr(e, "thread", -1) or -1))
             else:
                 us = e.self_cpu_time_total
             a = agg.setdefault(e.name, [0, 0.0])
@@ -281,7 +301,14 @@ class Profiler:
                        "device_us_per_step": sum(k["total_us"] for k in kernels) / self.steps,
                        "wall_ms_per_step": wall * 1e3 / self.steps, "kernels": kernels}
         if self.cuda:
-            self.result.update(device_gaps(spans, self.steps))
+            self.result.update(device_gaps(spans, self.steps, names=span_names))
+            # The first ~2 steps' device events in start order, (start µs from the first, µs, stream, name): the
+            # order of copies, fills and graph kernels at a step boundary, for reading by hand.
+            order = sorted(range(len(spans)), key=lambda i: spans[i])
+            t0 = spans[order[0]][0] if order else 0.0
+            n = 2 * len(spans) // max(self.steps, 1) + 8
+            self.result["timeline"] = [(round(spans[i][0] - t0, 2), round(spans[i][1] - spans[i][0], 2),
+                                        span_streams[i], span_names[i][:90]) for i in order[:n]]
 
 
 def gpu_local_core() -> int:
@@ -721,8 +748,8 @@ def _child_cmd(args: argparse.Namespace, variant: str, preset: str, rnd: int, js
 
 
 def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
-    """(kind, round, preset, variant) in launch order: round 0, the profiles, then the other rounds; within a
-    round every preset's variants in the same order (ABCD ABCD ...)."""
+    """(kind, round, preset, variant) in launch order: round 0, the profiles, then the other rounds (``--rounds 0``:
+    the profiles only); within a round every preset's variants in the same order (ABCD ABCD ...)."""
     plan: list[tuple[str, int, str, str]] = []
     for rnd in range(args.rounds):
         for preset in args.presets:
@@ -734,6 +761,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, int, str, str]]:
             plan += [("time", rnd, preset, v) for v in vs]
         if rnd == 0:
             plan += [("profile", 0, p, v) for p in (args.profile_presets or args.presets) for v in args.profile]
+    if args.rounds == 0:  # profiles only
+        plan += [("profile", 0, p, v) for p in (args.profile_presets or args.presets) for v in args.profile]
     return plan
 
 
