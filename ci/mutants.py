@@ -46,6 +46,7 @@ MSTATE = "nemo_cudagraph_plugin/core/module_state.py"
 OPTIM = "nemo_cudagraph_plugin/core/optim.py"
 NAN = "nemo_cudagraph_plugin/core/nan_guard.py"
 FINITE = "nemo_cudagraph_plugin/core/finite.py"
+NODES = "nemo_cudagraph_plugin/core/_cuda_nodes.py"
 LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
 GPU = "tests/gpu/test_can_fail_gpu.py::"
@@ -300,6 +301,32 @@ MUTANTS: list[Mutant] = [
            ("tests/gpu/test_finite_gpu.py::test_loss_watch_kernel_counts_at_the_first_non_finite_loss_only_and_in_a_graph",
             "tests/gpu/test_capture_gpu.py::test_nan_guard_watching_the_loss_names_parameter_long_after_the_bad_step"),
            "the loss watch's Triton kernel counts nothing at the first NaN loss: the report names no parameter"),
+    # -- session 8: memset nodes run as fill kernels -------------------------------------------------------
+    Mutant("fill-plan-16bit-pattern-not-repeated", "cpu", NODES,
+           "        word = (value & 0xFFFF) * 0x00010001",
+           "        word = value & 0xFFFF",
+           ("tests/test_core.py::test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_they_cannot",),
+           "a 16-bit memset's value fills only every other half-word of the 4- and 16-byte stores"),
+    Mutant("fill-plan-v4-ignores-size", "cpu", NODES,
+           "    if dst % 16 == 0 and nbytes % 16 == 0:",
+           "    if dst % 16 == 0:",
+           ("tests/test_core.py::test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_they_cannot",),
+           "a 16-byte-aligned memset whose size is not a multiple of 16 is filled short"),
+    Mutant("memset-option-ignored", "cpu", "nemo_cudagraph_plugin/core/backend.py",
+           '"memsets_as_kernels=False" if not memsets_as_kernels else (',
+           '"memsets_as_kernels=False" if not True else (',
+           ("tests/test_core.py::test_memsets_as_kernels_is_an_option_and_graphs_keep_their_memsets_without_the_driver",),
+           "CudaBackend(memsets_as_kernels=False) rewrites memsets all the same"),
+    Mutant("memsets-not-rewritten-cuda", "gpu", "nemo_cudagraph_plugin/core/backend.py",
+           "                self.memsets_rewritten += _cuda_nodes.rewrite_memsets(graph.raw_cuda_graph(), sms).replaced",
+           "                pass",
+           ("tests/gpu/test_capture_gpu.py::test_memset_nodes_run_as_kernels_and_training_equals_eager_bitwise[True]",),
+           "captured graphs keep their memset nodes (the idle gap after each stays)"),
+    Mutant("fill-kernel-short-cuda", "gpu", NODES,
+           '        return FillPlan("ncg_fill_v4", word, nbytes // 16)',
+           '        return FillPlan("ncg_fill_v4", word, nbytes // 16 - 1)',
+           ("tests/gpu/test_graph_nodes_gpu.py::test_memset_nodes_become_fill_kernels_that_write_the_same_bytes",),
+           "the 16-byte fill kernel leaves the last 16 bytes of a memset unwritten"),
     Mutant("fp8-refresh-hook-skipped-te", "gpu", "nemo_cudagraph_plugin/fp8/refresh.py",
            "        self.last_refreshed = self.plan.refresh()",
            "        self.last_refreshed = 0",

@@ -544,3 +544,61 @@ def test_module_state_watch_names_what_changed_and_ignores_what_no_graph_read():
     assert watch.changed().startswith("1.p changed from 0.5 to tensor(")
     del net[1].new_flag
     assert watch.changed() == "1.new_flag changed from True to '<deleted>' after the graph was captured"
+
+
+def _memset_bytes(base: int, dst: int, value: int, element_size: int, width: int, size: int) -> bytes:
+    out = bytearray(b"\x11" * size)
+    out[dst - base:dst - base + width * element_size] = (value & ((1 << 8 * element_size) - 1)).to_bytes(
+        element_size, "little") * width
+    return bytes(out)
+
+
+def _fill_bytes(base: int, dst: int, plan, size: int) -> bytes:
+    """What the fill kernel of ``plan`` writes (ncg_fill_v4/u32/u8: 16/4/1-byte stores of the pattern)."""
+    unit = {"ncg_fill_v4": 16, "ncg_fill_u32": 4, "ncg_fill_u8": 1}[plan.kernel]
+    word = plan.pattern.to_bytes(4, "little")
+    store = word * 4 if unit == 16 else word if unit == 4 else word[:1]
+    out = bytearray(b"\x11" * size)
+    out[dst - base:dst - base + plan.units * unit] = store * plan.units
+    return bytes(out)
+
+
+def test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_they_cannot():
+    from nemo_cudagraph_plugin.core._cuda_nodes import fill_plan
+
+    base, size = 1 << 20, 512
+    kernels = set()
+    for element_size, values in ((1, (0, 0xA7, 0x1FF)), (2, (0, 0xBEEF, 0x1_2345)), (4, (0, 0xDEADBEEF, 0x3F800000))):
+        for offset in (0, 1, 2, 3, 4, 8, 16, 18):
+            for width in (1, 2, 3, 4, 5, 8, 12, 16, 33, 64):
+                if offset + width * element_size > size:
+                    continue
+                for value in values:
+                    plan = fill_plan(base + offset, value, element_size, width, 1)
+                    if plan is None:  # only a 16/32-bit memset not 4-byte aligned (address or size) stays a memset
+                        assert element_size > 1 and ((base + offset) % 4 or (width * element_size) % 4), (offset, width)
+                        continue
+                    kernels.add(plan.kernel)
+                    assert _fill_bytes(base, base + offset, plan, size) == _memset_bytes(
+                        base, base + offset, value, element_size, width, size), (element_size, offset, width, value)
+    assert kernels == {"ncg_fill_v4", "ncg_fill_u32", "ncg_fill_u8"}
+    from nemo_cudagraph_plugin.core._cuda_nodes import _PTX
+
+    assert all(f".entry {k}(" in _PTX for k in kernels)  # each plan's kernel is one the module defines
+    assert fill_plan(base, 0, 1, 64, 2) is None  # 2-D memsets stay
+    assert fill_plan(base, 0, 8, 4, 1) is None
+
+
+def test_memsets_as_kernels_is_an_option_and_graphs_keep_their_memsets_without_the_driver():
+    from nemo_cudagraph_plugin.core import _cuda_nodes
+    from nemo_cudagraph_plugin.core.backend import CudaBackend
+
+    assert CaptureConfig().memsets_as_kernels is True
+    with pytest.raises(ValueError, match=r"CaptureConfig\(memsets_as_kernels='no'\) is invalid"):
+        CaptureConfig(memsets_as_kernels="no")
+    assert CudaBackend(memsets_as_kernels=False).memsets_kept == "memsets_as_kernels=False"
+    if _cuda_nodes.unavailable() is not None:  # this machine: no libcuda
+        assert "libcuda" in _cuda_nodes.unavailable()
+        assert "libcuda" in CudaBackend().memsets_kept
+        with pytest.raises(RuntimeError, match="memset rewrite unavailable"):
+            _cuda_nodes.rewrite_memsets(0, 1)

@@ -1,9 +1,10 @@
 """The device calls the engine makes, in one small interface.
 
 :class:`CudaBackend` is what training uses: ``torch.cuda`` graphs, streams, the shared memory pool,
-``set_sync_debug_mode("error")`` and the CUDA RNG. The engine never calls ``torch.cuda`` itself, so
-its decisions (keys, guards, copies, counters, re-capture) can be exercised on a machine without a
-GPU by a stand-in backend whose "graph" re-runs the recorded tensor operations on the same memory
+``set_sync_debug_mode("error")`` and the CUDA RNG; each graph it captures has its memset nodes rewritten as
+fill kernels before it is instantiated (``_cuda_nodes``, option ``memsets_as_kernels``). The engine never
+calls ``torch.cuda`` itself, so its decisions (keys, guards, copies, counters, re-capture) can be exercised on a
+machine without a GPU by a stand-in backend whose "graph" re-runs the recorded tensor operations on the same memory
 (``tests/_tape.py``); nothing in the package uses a stand-in.
 """
 
@@ -14,6 +15,9 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
+
+from . import _cuda_nodes
+from .warn import warn_once
 
 __all__ = ["CudaBackend", "GraphBackend"]
 
@@ -58,19 +62,42 @@ class GraphBackend:
 
 
 class CudaBackend(GraphBackend):
-    """``torch.cuda`` graphs (the only backend the package uses)."""
+    """``torch.cuda`` graphs (the only backend the package uses).
+
+    Args:
+        memsets_as_kernels: rewrite each captured graph's memset nodes as fill kernels that write the same bytes
+            (where the driver API and ``CUDAGraph(keep_graph=True)`` exist; otherwise graphs keep them).
+    """
 
     device_type = "cuda"
 
+    def __init__(self, memsets_as_kernels: bool = True) -> None:
+        #: why captured graphs keep their memset nodes; None: they run them as fill kernels
+        self.memsets_kept: Optional[str] = "memsets_as_kernels=False" if not memsets_as_kernels else (
+            None if _keep_graph_supported() else "torch < 2.8 has no CUDAGraph(keep_graph=True)"
+        ) or _cuda_nodes.unavailable()
+        #: memset nodes rewritten as kernels, over every capture of this backend
+        self.memsets_rewritten = 0
+
     def new_graph(self) -> torch.cuda.CUDAGraph:
-        return torch.cuda.CUDAGraph()
+        # keep_graph: captured but not instantiated, so its nodes can still change (instantiated in capture()).
+        return torch.cuda.CUDAGraph(keep_graph=True) if self.memsets_kept is None else torch.cuda.CUDAGraph()
 
     def pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def capture(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any, stream: Any) -> Iterator[None]:
         # thread_local: other threads (a dataloader's pin-memory thread) may keep using CUDA.
-        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+        if self.memsets_kept is None:
+            try:
+                sms = torch.cuda.get_device_properties(stream.device).multi_processor_count
+                self.memsets_rewritten += _cuda_nodes.rewrite_memsets(graph.raw_cuda_graph(), sms).replaced
+            except RuntimeError as exc:  # the graph is valid either way: what was not rewritten stays a memset
+                warn_once("memsets-as-kernels", f"memset nodes of a captured graph stay memsets: {exc}")
+            graph.instantiate()
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=device)
@@ -97,5 +124,15 @@ class CudaBackend(GraphBackend):
         torch.cuda.set_rng_state(state, device)
 
 
-def default_backend(backend: Optional[GraphBackend]) -> GraphBackend:
-    return backend if backend is not None else CudaBackend()
+def default_backend(backend: Optional[GraphBackend], memsets_as_kernels: bool = True) -> GraphBackend:
+    return backend if backend is not None else CudaBackend(memsets_as_kernels)
+
+
+def _keep_graph_supported() -> bool:
+    """torch >= 2.8 can capture a graph without instantiating it (``CUDAGraph(keep_graph=True)``)."""
+    import inspect
+
+    try:
+        return "keep_graph" in inspect.signature(torch.cuda.CUDAGraph.__new__).parameters
+    except (TypeError, ValueError):
+        return False

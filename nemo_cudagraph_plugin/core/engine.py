@@ -164,7 +164,7 @@ class CaptureEngine:
         watched_fn: Callable[[], Sequence[tuple[str, Tensor]]] = lambda: [],
         mutable_fn: Callable[[], Sequence[Tensor]] = lambda: [],
     ) -> None:
-        self.backend = default_backend(backend)
+        self.backend = default_backend(backend, config.memsets_as_kernels)
         if device.type != self.backend.device_type:
             raise ValueError(f"CaptureEngine needs a {self.backend.device_type.upper()} device, got {device}")
         if device.type == "cuda" and device.index is None:
@@ -488,6 +488,7 @@ class CaptureEngine:
         self._scan_ptrs = list(map(_data_ptr, self._scan))
         self.stats.captures += 1
         self.stats.graphs = len(self.cache)
+        self.stats.memsets_as_kernels = getattr(be, "memsets_rewritten", 0)
         if self.on_capture is not None:
             self.on_capture(entry)
         self.stats.capture_time_s += time.perf_counter() - t0

@@ -47,6 +47,41 @@ def test_parity_bitwise_dropout_off():
     assert torch.equal(torch.stack(g.logged).cpu().float(), gl)
 
 
+class _MemsetNodes(pl.Callback):
+    """Memset nodes left in each live graph of ``cb``, read mid-fit (the graphs are freed when fit ends)."""
+
+    def __init__(self, cb, at: int) -> None:
+        self.cb, self.at, self.counts = cb, at, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from nemo_cudagraph_plugin.core import _cuda_nodes
+
+        if batch_idx == self.at:
+            cache = self.cb.step_runner.engine.cache
+            self.counts = [_cuda_nodes.node_types(cache.peek(k).graph.raw_cuda_graph())["memset"] for k in cache.keys()]
+
+
+@pytest.mark.parametrize("as_kernels", [True, False])
+def test_memset_nodes_run_as_kernels_and_training_equals_eager_bitwise(as_kernels):
+    """The attention (cuDNN) and the split reductions of the step zero buffers with memsets; captured graphs run
+    them as fill kernels (memsets_as_kernels, the default) and training stays bitwise eager's."""
+    from nemo_cudagraph_plugin.core import _cuda_nodes
+
+    if _cuda_nodes.unavailable() is not None:
+        pytest.skip(_cuda_nodes.unavailable())
+    steps = 30
+    cb = CudaGraphCallback(memsets_as_kernels=as_kernels)
+    probe = _MemsetNodes(cb, at=steps - 2)  # a graph kept as memsets is not kept as a cudaGraph_t: not read
+    _, g = fit(make_module(), [cb, probe] if as_kernels else [cb], steps)
+    _, e = _eager(steps)
+    assert torch.equal(g.loss_tensor(), e.loss_tensor())
+    if as_kernels:
+        assert cb.stats.memsets_as_kernels > 0, cb.stats
+        assert probe.counts == [0]
+    else:
+        assert cb.stats.memsets_as_kernels == 0
+
+
 def test_kept_loss_is_a_per_step_value():
     _, _, g = _graphed(steps=20)
     losses = g.loss_tensor()

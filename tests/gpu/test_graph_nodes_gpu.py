@@ -1,0 +1,106 @@
+"""Memset nodes of a captured graph rewritten as fill kernels (``core/_cuda_nodes.py``) on a real GPU.
+
+Memsets of every width the driver records (8-, 16- and 32-bit, aligned and not, odd lengths, non-zero values) are
+put into a captured graph with the driver's own ``cuMemsetD*Async`` on the capturing stream, next to torch's split
+reduction (whose semaphores torch zeroes with a memset). After the rewrite the graph has no memset node left but
+the one the fill kernels cannot express, and every byte a replay writes equals what the memsets wrote.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from nemo_cudagraph_plugin.core import _cuda_nodes
+
+pytestmark = pytest.mark.skipif(_cuda_nodes.unavailable() is not None, reason="needs the CUDA driver API")
+
+DEV = torch.device("cuda")
+
+
+def _driver_memsets() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, arg in (("cuMemsetD8Async", ctypes.c_ubyte), ("cuMemsetD16Async", ctypes.c_ushort),
+                      ("cuMemsetD32Async", ctypes.c_uint)):
+        getattr(lib, name).argtypes = [ctypes.c_uint64, arg, ctypes.c_size_t, ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+# (function, byte offset into the buffer, value, element count): every fill kernel, every alignment case
+CASES = [
+    ("cuMemsetD8Async", 0, 0x00, 4096),       # 16-byte stores
+    ("cuMemsetD8Async", 3, 0xA7, 37),         # unaligned, odd length: byte stores
+    ("cuMemsetD8Async", 128, 0x5C, 20),       # 4-byte stores of a repeated byte
+    ("cuMemsetD16Async", 256, 0xBEEF, 64),    # 16-bit pattern, 16-byte stores
+    ("cuMemsetD16Async", 514, 0x1234, 3),     # 16-bit, not 4-byte aligned: stays a memset
+    ("cuMemsetD32Async", 1024, 0xDEADBEEF, 5),  # 4-byte stores
+    ("cuMemsetD32Async", 2048, 0x3F800000, 1 << 16),  # 16-byte stores, many blocks
+]
+_SIZE = {"cuMemsetD8Async": 1, "cuMemsetD16Async": 2, "cuMemsetD32Async": 4}
+
+
+def _expected(buf_len: int) -> torch.Tensor:
+    want = torch.full((buf_len,), 0x11, dtype=torch.uint8)
+    for fn, off, value, n in CASES:
+        size = _SIZE[fn]
+        pattern = torch.tensor(list(value.to_bytes(size, "little")), dtype=torch.uint8)
+        want[off:off + n * size] = pattern.repeat(n)
+    return want
+
+
+def _capture(rewrite: bool):
+    buf_len = 2048 + 4 * (1 << 16) + 64
+    buf = torch.full((buf_len,), 0x11, dtype=torch.uint8, device=DEV)
+    x = torch.randn(1 << 16, 16, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x.sum(0)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    lib = _driver_memsets()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        stream = torch.cuda.current_stream().cuda_stream
+        for fn, off, value, n in CASES:
+            assert getattr(lib, fn)(buf.data_ptr() + off, value, n, stream) == 0
+        total = x.sum(0)  # a split reduction: torch zeroes its semaphores with a memset
+    raw = g.raw_cuda_graph()
+    before = _cuda_nodes.node_types(raw)
+    res = _cuda_nodes.rewrite_memsets(raw, torch.cuda.get_device_properties(DEV).multi_processor_count) if rewrite else None
+    after = _cuda_nodes.node_types(raw)
+    g.instantiate()
+    return g, buf, x, total, before, after, res
+
+
+def test_memset_nodes_become_fill_kernels_that_write_the_same_bytes():
+    g, buf, x, total, before, after, res = _capture(rewrite=True)
+    n_cases = len(CASES)
+    assert before["memset"] > n_cases, f"torch's reduction recorded no memset: {before}"
+    assert (res.replaced, res.kept) == (before["memset"] - 1, 1), (res, before)
+    assert after["memset"] == 1  # the unaligned 16-bit memset
+    assert after["kernel"] == before["kernel"] + res.replaced
+    for _ in range(3):  # the graph rewrites its bytes on every replay
+        buf.fill_(0x11)
+        x.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buf.cpu(), _expected(buf.numel()))
+        torch.testing.assert_close(total, x.sum(0), rtol=0, atol=1e-4)
+
+
+def test_the_rewritten_graph_equals_the_captured_one_bitwise():
+    ref = _capture(rewrite=False)
+    new = _capture(rewrite=True)
+    assert ref[5]["memset"] == ref[4]["memset"]  # not rewritten
+    for _ in range(2):
+        for g, buf, x, *_ in (ref, new):
+            buf.fill_(0x11)
+            torch.manual_seed(0)
+            x.copy_(torch.randn(x.shape, device=DEV))
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ref[1], new[1])
+        assert torch.equal(ref[3], new[3])
