@@ -28,6 +28,8 @@ class GraphBackend:
 
     #: device type this backend captures on ("cuda")
     device_type: str = "cuda"
+    #: memset nodes of its captured graphs that it rewrote as fill kernels, over every capture
+    memsets_rewritten: int = 0
 
     def new_graph(self) -> Any:
         """A graph object with ``replay()`` and ``register_generator_state(gen)``."""
@@ -76,7 +78,6 @@ class CudaBackend(GraphBackend):
         self.memsets_kept: Optional[str] = "memsets_as_kernels=False" if not memsets_as_kernels else (
             None if _keep_graph_supported() else "torch < 2.8 has no CUDAGraph(keep_graph=True)"
         ) or _cuda_nodes.unavailable()
-        #: memset nodes rewritten as kernels, over every capture of this backend
         self.memsets_rewritten = 0
 
     def new_graph(self) -> torch.cuda.CUDAGraph:

@@ -488,7 +488,7 @@ class CaptureEngine:
         self._scan_ptrs = list(map(_data_ptr, self._scan))
         self.stats.captures += 1
         self.stats.graphs = len(self.cache)
-        self.stats.memsets_as_kernels = getattr(be, "memsets_rewritten", 0)
+        self.stats.memsets_as_kernels = be.memsets_rewritten
         if self.on_capture is not None:
             self.on_capture(entry)
         self.stats.capture_time_s += time.perf_counter() - t0
