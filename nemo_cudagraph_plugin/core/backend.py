@@ -75,9 +75,13 @@ class CudaBackend(GraphBackend):
 
     def __init__(self, memsets_as_kernels: bool = True) -> None:
         #: why captured graphs keep their memset nodes; None: they run them as fill kernels
-        self.memsets_kept: Optional[str] = "memsets_as_kernels=False" if not memsets_as_kernels else (
-            None if _keep_graph_supported() else "torch < 2.8 has no CUDAGraph(keep_graph=True)"
-        ) or _cuda_nodes.unavailable()
+        self.memsets_kept: Optional[str]
+        if not memsets_as_kernels:
+            self.memsets_kept = "memsets_as_kernels=False"
+        elif not _keep_graph_supported():
+            self.memsets_kept = "torch < 2.8 has no CUDAGraph(keep_graph=True)"
+        else:
+            self.memsets_kept = _cuda_nodes.unavailable()
         self.memsets_rewritten = 0
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
