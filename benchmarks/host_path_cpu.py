@@ -46,7 +46,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,7 +59,6 @@ import lightning.pytorch as pl  # noqa: E402
 
 from nemo_cudagraph_plugin import CudaGraphCallback  # noqa: E402
 from nemo_cudagraph_plugin.core.backend import GraphBackend  # noqa: E402
-from nemo_cudagraph_plugin.lightning import _compat  # noqa: E402
 from recipes.gpt import get_config  # noqa: E402
 
 VARIANTS = ("floor", "callback", "noguard", "nolog")
@@ -110,32 +108,6 @@ class NoopReplayBackend(GraphBackend):
 class _NullStream:
     def wait_stream(self, other: Any) -> None:
         pass
-
-
-class _StoredRun(pl.Callback):
-    """``floor``: step 1 runs eagerly and is measured; from step 2 ``automatic_optimization.run`` returns its output
-    and advances Lightning's progress counters as that step did (no training, no plugin)."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx != 1:
-            return
-        loop = _compat.automatic_loop(trainer)
-        orig = loop.run
-
-        def first(optimizer, batch_idx, kwargs):
-            before = _compat.progress_snapshot(loop)
-            out = orig(optimizer, batch_idx, kwargs)
-            delta = _compat.ProgressDelta(before, _compat.progress_snapshot(loop))
-            out = OrderedDict(loss=out["loss"].detach())
-
-            def stored(optimizer, batch_idx, kwargs):
-                delta.apply()
-                return OrderedDict(out)
-
-            loop.run = stored
-            return out
-
-        loop.run = first
 
 
 class _Timer(pl.Callback):
@@ -219,7 +191,7 @@ def run(variant: str, steps: int, skip: int, prof: Optional[cProfile.Profile] = 
     timer = _Timer(skip, prof, counter)
     callbacks: list[pl.Callback] = []
     if variant == "floor":
-        callbacks.append(_StoredRun())
+        callbacks.append(step_time.StoredRun())
     else:
         cb = CudaGraphCallback(nan_guard=variant != "noguard", warmup_steps=2)
         cb.step_runner.backend = NoopReplayBackend()

@@ -50,6 +50,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
+from collections import OrderedDict  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from datetime import date  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -82,6 +83,9 @@ VARIANTS: dict[str, str] = {
     "nemo_callback_nolog": "`nemo_callback` with a module that calls no `self.log` (NeMo's replays skip "
                            "`training_step`, so they never log): the like-for-like comparison",
     "callback_nolog": "`callback` with the same module that calls no `self.log`",
+    "lightning_loop": "Lightning's own loop with `automatic_optimization.run` answered by step 1's stored output (no "
+                      "training, no graph; losses not compared): the host time per step that every Lightning callback "
+                      "pays, the least one can reach where the host is the bound",
     "strategy": "`CudaGraphStrategy()`",
     "raw_graph": "hand-written whole-step `torch.cuda.graph` loop without Lightning: gradients owned by the graph (set "
                  "to None before capture), batches pre-staged on the GPU; its process also measures the kernel floor",
@@ -435,6 +439,36 @@ def host_profile_rows(prof: cProfile.Profile, steps: int, top: int = 40) -> list
     return sorted(rows, key=lambda r: -r["own_us"])[:top]
 
 
+class StoredRun(pl.Callback):
+    """``lightning_loop``: steps 0 and 1 train eagerly; from step 2 ``automatic_optimization.run`` returns step 1's
+    output and advances Lightning's progress counters as that step did. What remains per step is Lightning's loop:
+    fetch, collate, pinning, transfer, hooks, counters. Each returned loss is a fresh allocation (no kernel), so the
+    probe's aliasing check adds no copy."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx != 1:
+            return
+        from nemo_cudagraph_plugin.lightning import _compat
+
+        loop = _compat.automatic_loop(trainer)
+        orig = loop.run
+
+        def first(optimizer, batch_idx, kwargs):
+            before = _compat.progress_snapshot(loop)
+            out = orig(optimizer, batch_idx, kwargs)
+            delta = _compat.ProgressDelta(before, _compat.progress_snapshot(loop))
+            loss = out["loss"].detach()
+
+            def stored(optimizer, batch_idx, kwargs):
+                delta.apply()
+                return OrderedDict(loss=torch.empty_like(loss))
+
+            loop.run = stored
+            return OrderedDict(loss=loss)
+
+        loop.run = first
+
+
 class HostRead(pl.Callback):
     """``float(outputs["loss"])`` every step: the host waits for each step, as a progress bar makes it."""
 
@@ -505,6 +539,8 @@ def run_lightning(spec: Spec) -> dict:
             raise ValueError(f"unknown variant {v!r}; choose one of {sorted(VARIANTS)}")
         if not spec.cuda:
             out["notes"].append("CPU: the callback trains eagerly (no CUDA)")
+    elif v == "lightning_loop":
+        callbacks.append(StoredRun())
     elif v == "strategy":
         strategy = CudaGraphStrategy()
     elif v == "compile_reduce_overhead":
@@ -532,6 +568,9 @@ def run_lightning(spec: Spec) -> dict:
     _sync(spec.cuda)
     out["fit_s"] = time.perf_counter() - t
     out.update(probe.summary())
+    if v == "lightning_loop":
+        out["losses"] = None  # stored, not trained: nothing to compare
+        out["notes"].append("lightning_loop: steps from 2 return step 1's stored output (no training)")
     if spec.cuda:
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for cb in [*callbacks, strategy]:

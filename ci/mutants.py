@@ -327,6 +327,18 @@ MUTANTS: list[Mutant] = [
            '        return FillPlan("ncg_fill_v4", word, nbytes // 16 - 1)',
            ("tests/gpu/test_graph_nodes_gpu.py::test_memset_nodes_become_fill_kernels_that_write_the_same_bytes",),
            "the 16-byte fill kernel leaves the last 16 bytes of a memset unwritten"),
+    # -- session 9: the replayed step's host path ------------------------------------------------------------
+    Mutant("logged-copy-not-converted", "cpu", COMPAT,
+           "    if value.is_floating_point() and value.dtype not in _FULL:\n        return value.to(_default_dtype())",
+           "    if False:\n        return value.to(_default_dtype())",
+           (LT + "test_logged_tensors_become_step_outputs_in_the_dtype_lightning_keeps",),
+           "a bf16 value given to self.log stays bf16 in the step's outputs: every replay converts it again"),
+    Mutant("transfer-not-awaited-cuda", "gpu", COMPAT,
+           "        copied.record(stream)\n        main.wait_event(copied)",
+           "        copied.record(stream)",
+           ("tests/gpu/test_capture_gpu.py::test_step_waits_for_its_batch_copied_on_the_transfer_stream",),
+           "the training stream does not wait for the batch copied on the transfer stream: a step reads its batch "
+           "before it arrives"),
     Mutant("fp8-refresh-hook-skipped-te", "gpu", "nemo_cudagraph_plugin/fp8/refresh.py",
            "        self.last_refreshed = self.plan.refresh()",
            "        self.last_refreshed = 0",

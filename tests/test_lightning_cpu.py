@@ -397,6 +397,33 @@ def test_fast_log_leaves_the_metric_as_lightnings_update(on_step, on_epoch, dtyp
     assert lightning_.metrics(on_step=on_step) == ours.metrics(on_step=on_step)
 
 
+def test_logged_tensors_become_step_outputs_in_the_dtype_lightning_keeps():
+    """A tensor given to self.log inside the step becomes an output of the step: a copy (a later in-place change of
+    the source in the step cannot alter it), made in the dtype Lightning's metric keeps, so a replay hands it over
+    without a conversion. bf16/fp16 -> the default dtype (exact), float32/float64 and integers as they are."""
+    from nemo_cudagraph_plugin.lightning.logs import StepLogs
+
+    module = pl.LightningModule()
+    module._current_fx_name = "training_step"
+    src = {"bf16": torch.tensor(1.1, dtype=torch.bfloat16), "fp16": torch.tensor(0.3, dtype=torch.float16),
+           "fp32": torch.tensor(0.7), "fp64": torch.tensor(0.9, dtype=torch.float64), "int": torch.tensor(3)}
+    at_log = {k: v.clone() for k, v in src.items()}
+
+    def step():
+        for name, value in src.items():
+            module.log(name, value)
+            value.add_(1)  # in place, after logging
+
+    _, values, token = StepLogs(module).run(step, quiet=False)
+    assert token > 0 and len(values) == len(src)
+    want = {"bf16": torch.float32, "fp16": torch.float32, "fp32": torch.float32, "fp64": torch.float64,
+            "int": torch.int64}
+    for (name, value), got in zip(src.items(), values):
+        assert got.dtype == want[name], (name, got.dtype)
+        assert torch.equal(got, at_log[name].to(got.dtype)), name  # the value at the log call, exactly
+        assert got.untyped_storage().data_ptr() != value.untyped_storage().data_ptr(), name
+
+
 def test_progress_delta_is_measured_per_phase_graph():
     seen = {}
 

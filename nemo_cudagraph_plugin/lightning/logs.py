@@ -1,8 +1,9 @@
 """``self.log`` inside a captured step: recorded at capture, re-emitted after every replay.
 
 While a step runs through the runner, ``LightningModule.log`` of the module instance is redirected
-to :meth:`StepLogs.record`. A tensor value becomes an output of the step (``detach().clone()``, so
-the graph writes this step's value there on every replay); a Python value is kept as it was. After
+to :meth:`StepLogs.record`. A tensor value becomes an output of the step (a detached copy, so the
+graph writes this step's value there on every replay; a bf16/fp16 one is copied in the dtype
+Lightning converts it to anyway, ``_compat.logged_copy``); a Python value is kept as it was. After
 the step (eager or replayed) :meth:`StepLogs.emit` makes the real ``self.log`` calls with those
 values, so the progress bar, loggers, ``callback_metrics`` and ``on_epoch`` reduction see each
 step's numbers. Records of an eager step are used once; those of a capture are kept for every
@@ -52,9 +53,9 @@ class StepLogs:
             is_t = isinstance(value, Tensor)
             rec = _LogRecord(_compat.current_fx(pl_module), name, args, kwargs, is_t)
             if is_t:
-                # detach + clone: the logged value becomes an output of its own, so later in-place
-                # changes to the source tensor within the step cannot alter it.
-                values.append(value.detach().clone())
+                # A copy (later in-place changes to the source within the step cannot alter it) that becomes an output
+                # of its own, made in the dtype Lightning keeps: a replay then hands it over without a conversion.
+                values.append(_compat.logged_copy(value))
             else:
                 rec.args = (value, *args)
             records.append(rec)

@@ -377,6 +377,36 @@ def test_host_far_ahead_with_pinned_batches_copied_on_their_own_stream_equals_ea
     assert torch.isfinite(gl).all() and torch.equal(gl, el), f"max rel diff {max_rel(gl, el):.3e}"
 
 
+def test_step_waits_for_its_batch_copied_on_the_transfer_stream():
+    """The step must not read its batch before the transfer stream has copied it. Each batch carries 128 MB that the
+    model ignores, copied first: the token copies queue behind it on the transfer stream and arrive milliseconds
+    after the host reached the step. Every step must still train on its own tokens (bitwise eager)."""
+    from torch.utils.data import default_collate
+
+    bulk = torch.zeros(32 * 2**20)  # float32, 128 MB
+
+    def collate(items):
+        return {"bulk": bulk, **default_collate(items)}  # first: copied first
+
+    routed = []
+
+    class Seen(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            routed.append("batch_to_device" in trainer.strategy.__dict__)
+
+    def run(cbs):
+        pinned = torch.utils.data.DataLoader(loader(20).dataset, batch_size=2, shuffle=False, pin_memory=True,
+                                             collate_fn=collate)
+        return fit(make_module(), cbs, 20, train_loader=pinned)
+
+    cb = CudaGraphCallback()
+    _, g = run([cb, Seen()])
+    assert all(routed) and cb.stats.replays >= 15, (routed, cb.stats.summary())
+    _, e = run([CapturableEager()])
+    gl, el = g.loss_tensor(), e.loss_tensor()
+    assert torch.isfinite(gl).all() and torch.equal(gl, el), f"max rel diff {max_rel(gl, el):.3e}"
+
+
 def test_nan_guard_skip_mode_keeps_parameters_finite():
     cb = CudaGraphCallback(nan_check_every=5, nan_action="skip")
     with warnings.catch_warnings(record=True):
