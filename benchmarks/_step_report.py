@@ -95,6 +95,11 @@ def aggregate(runs: list[dict], variant_order: list[str]) -> list[dict]:
                 if d is not None:
                     diffs.append(d)
                     firsts.append(f)
+            # Per round, and this variant against itself across rounds: a difference from eager that only some rounds
+            # show is the run-to-run nondeterminism of a kernel, not a systematic change of training.
+            v["dloss_rounds"] = diffs
+            self_diffs = [max_abs_diff(a.get("losses"), b.get("losses"))[0] for i, a in enumerate(ok) for b in ok[i + 1:]]
+            v["self_noise"] = max((d for d in self_diffs if d is not None), default=None)
             if name == EAGER:
                 v["max_dloss"] = 0.0 if ok else None
                 v["first_diff_step"] = None
@@ -192,6 +197,9 @@ def markdown(results: list[dict], setup: dict, env: dict, descriptions: dict[str
                   f"- eager against eager (across rounds) max |Δloss|: {_f(res['eager_noise'], '.3g', 'one round only')}",
                   ""]
         for name, v in res["variants"].items():
+            if name != EAGER and len(v.get("dloss_rounds") or []) > 1:
+                lines.append(f"- {name}: max |Δloss| vs eager by round: {', '.join(_f(d, '.3g') for d in v['dloss_rounds'])}; "
+                             f"against itself across rounds: {_f(v.get('self_noise'), '.3g')}")
             if v.get("loss_aliased"):
                 lines.append(f"- {name}: the loss Lightning returned aliased an earlier step's tensor (copied per step)")
             for n in v["notes"]:

@@ -16,7 +16,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,55 +24,32 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from step_time import Spec, _prepare, gpt_loss  # noqa: E402
+from step_time import Spec, capture_raw_step  # noqa: E402
 
 from nemo_cudagraph_plugin.core import _cuda_nodes  # noqa: E402
 
 
 def build(spec: Spec, rewrite: bool) -> dict:
-    cfg, module, opt, ctx, data, dev = _prepare(spec)
-    model = module.model
-    static = data[0].clone()
-
-    def step() -> torch.Tensor:
-        with ctx():
-            loss = gpt_loss(model(static[:, :-1]), static[:, 1:])
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    losses = []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with warnings.catch_warnings(), torch.cuda.stream(s):
-        warnings.simplefilter("ignore")
-        for i in range(3):
-            static.copy_(data[i])
-            opt.zero_grad(set_to_none=True)
-            losses.append(step().clone())
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    print(f"[{spec.preset} rewrite={rewrite}] warm-up ok", flush=True)
-    opt.zero_grad(set_to_none=True)
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g):
-        out = step()
+    step = capture_raw_step(spec, keep_graph=True)
+    g = step.graph
+    print(f"[{spec.preset} rewrite={rewrite}] warm-up and capture ok", flush=True)
     raw = g.raw_cuda_graph()
     nodes_before = _cuda_nodes.node_types(raw)
     res = None
     t = time.perf_counter()
     if rewrite:
-        res = _cuda_nodes.rewrite_memsets(raw, torch.cuda.get_device_properties(dev).multi_processor_count)
+        res = _cuda_nodes.rewrite_memsets(raw, torch.cuda.get_device_properties(step.static.device).multi_processor_count)
     rewrite_s = time.perf_counter() - t
     nodes_after = _cuda_nodes.node_types(raw)
     g.instantiate()
     torch.cuda.synchronize()
-    static.copy_(data[3])
+    step.static.copy_(step.data[3])
     g.replay()
     torch.cuda.synchronize()
     print(f"[{spec.preset} rewrite={rewrite}] capture, rewrite ({res}), replay ok", flush=True)
     # The module and optimizer stay referenced: the graph addresses their parameters and states.
-    return {"module": module, "opt": opt, "params": list(model.parameters()), "g": g, "static": static, "out": out, "data": data, "losses": losses, "before": nodes_before,
+    return {"module": step.module, "opt": step.opt, "params": list(step.module.model.parameters()), "g": g,
+            "static": step.static, "out": step.out, "data": step.data, "losses": step.warmup_losses, "before": nodes_before,
             "after": nodes_after, "replaced": res.replaced if res else 0, "kept": res.kept if res else 0,
             "rewrite_ms": rewrite_s * 1e3}
 

@@ -621,20 +621,61 @@ def _prepare(spec: Spec) -> tuple[Any, GPTLightningModule, torch.optim.Optimizer
     return cfg, module, opt, ctx, data, dev
 
 
-def run_raw_graph(spec: Spec) -> dict:
-    """Whole-step graph without Lightning: zero-grad by set-to-None before capture, forward, backward, step."""
-    _free(spec.cuda)
-    cfg, module, opt, ctx, data, dev = _prepare(spec)
+@dataclass
+class RawStep:
+    """The benchmark GPT's whole step (forward, backward, fused AdamW) captured as one ``torch.cuda.CUDAGraph``
+    without Lightning, gradients owned by the graph (set to None before capture); ``static`` is its input buffer."""
+
+    module: Any
+    opt: torch.optim.Optimizer
+    data: torch.Tensor
+    static: torch.Tensor
+    graph: Any
+    out: torch.Tensor
+    warmup_losses: list[torch.Tensor]
+
+
+def raw_step_fn(module: Any, opt: torch.optim.Optimizer, ctx: Any, x: torch.Tensor) -> Any:
+    """One step on the batch in ``x`` without Lightning (no zero-grad): forward, backward, optimizer step."""
     model = module.model
-    static = data[0].clone()
 
     def step() -> torch.Tensor:
         with ctx():
-            loss = gpt_loss(model(static[:, :-1]), static[:, 1:])
+            loss = gpt_loss(model(x[:, :-1]), x[:, 1:])
         loss.backward()
         opt.step()
         return loss.detach()
 
+    return step
+
+
+def capture_raw_step(spec: Spec, warmup: int = 3, keep_graph: bool = False) -> RawStep:
+    """Three eager steps on a side stream (batches 0-2), then the capture. ``keep_graph``: the graph is not
+    instantiated yet (its nodes can be rewritten first; ``graph.instantiate()`` or the first replay does it)."""
+    cfg, module, opt, ctx, data, dev = _prepare(spec)
+    static = data[0].clone()
+    step = raw_step_fn(module, opt, ctx, static)
+    losses = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with warnings.catch_warnings(), torch.cuda.stream(s):
+        warnings.simplefilter("ignore")  # "capturable=True but step() runs without graph capture"
+        for i in range(warmup):
+            static.copy_(data[i])
+            opt.zero_grad(set_to_none=True)
+            losses.append(step().clone())
+    torch.cuda.current_stream().wait_stream(s)
+    opt.zero_grad(set_to_none=True)  # backward inside the graph allocates the gradients from its pool
+    g = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    torch.cuda.synchronize()
+    return RawStep(module, opt, data, static, g, out, losses)
+
+
+def run_raw_graph(spec: Spec) -> dict:
+    """Whole-step graph without Lightning (:func:`capture_raw_step`), replayed for every batch after the warm-up."""
+    _free(spec.cuda)
     out: dict[str, Any] = {"notes": []}
     losses: list[torch.Tensor] = []
     sync, starts, ends = SyncCounter(), [], []
@@ -643,22 +684,15 @@ def run_raw_graph(spec: Spec) -> dict:
     first_replay = 0
     g = None
     if spec.cuda:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(3):
-                static.copy_(data[i])
-                opt.zero_grad(set_to_none=True)
-                losses.append(step().clone())
-        torch.cuda.current_stream().wait_stream(s)
-        opt.zero_grad(set_to_none=True)  # backward inside the graph allocates the gradients from its pool
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_loss = step()
-        torch.cuda.synchronize()
-        first_replay = 3
+        raw = capture_raw_step(spec)
+        data, static, g, static_loss = raw.data, raw.static, raw.graph, raw.out
+        losses.extend(raw.warmup_losses)
+        first_replay = len(raw.warmup_losses)
         out["capture_s"] = time.perf_counter() - t_cap
     else:
+        cfg, module, opt, ctx, data, dev = _prepare(spec)
+        static = data[0].clone()
+        step = raw_step_fn(module, opt, ctx, static)
         out["notes"].append("CPU: eager loop (a CUDA graph needs CUDA)")
     t0 = t1 = None
     for i in range(first_replay, spec.steps):
@@ -708,14 +742,11 @@ def kernel_floor_ms(spec: Spec, set_to_none: bool, steps: int = 6) -> float:
 
     _free(True)
     cfg, module, opt, ctx, data, dev = _prepare(spec)
-    x = data[0]
+    forward_backward_update = raw_step_fn(module, opt, ctx, data[0])
 
     def step() -> None:
         opt.zero_grad(set_to_none=set_to_none)
-        with ctx():
-            loss = gpt_loss(module.model(x[:, :-1]), x[:, 1:])
-        loss.backward()
-        opt.step()
+        forward_backward_update()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "capturable=True but step() runs without graph capture"

@@ -234,6 +234,7 @@ class TapeGraph:
         self.replays = 0
         self._fresh = False
         self._tally = tally if tally is not None else [0]  # replays over every graph of its backend
+        self.io: Optional[TapeIO] = None
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         """Like ``CUDAGraph.register_generator_state``: replays advance ``generator``."""
@@ -247,10 +248,15 @@ class TapeGraph:
     def replay(self) -> None:
         """Re-execute the tape on the recorded memory (the first call after a capture does nothing: capture
         already ran the step once, where a CUDA capture only records it)."""
+        io = self.io
         if self._fresh:
             self._fresh = False
+            if io is not None:
+                io.copy_out()
             return
         with torch.no_grad():
+            if io is not None:
+                io.copy_in()
             for op in self.ops:
                 fixed = [(g, s, g.get_state()) for g, s in op.gens if not self._advances(g)]
                 for g, s, _ in fixed:
@@ -263,8 +269,36 @@ class TapeGraph:
                 for rec, t in zip(op.outs, _tensors(new)):
                     if rec is not None and t is not None and not _same_memory(rec, t):
                         rec.copy_(t)
+            if io is not None:
+                io.copy_out()
         self.replays += 1
         self._tally[0] += 1
+
+
+class TapeIO:
+    """What ``core._cuda_nodes.GraphIO`` is to the engine: the graph itself copies the bound batch into its input
+    buffers before its ops and its outputs into the bound tensors after them (each replay, until bound again)."""
+
+    def __init__(self, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        self.inputs, self.outputs = inputs, outputs
+        self.srcs: list[Tensor] = list(inputs)
+        self.dsts: list[Tensor] = list(outputs)
+        self.binds = 0
+
+    def bind(self, srcs: list[Tensor], dsts: list[Tensor]) -> None:
+        self.srcs, self.dsts = list(srcs), list(dsts)
+        self.binds += 1
+
+    def copy_in(self) -> None:
+        for buf, src in zip(self.inputs, self.srcs):
+            if not _same_memory(buf, src):
+                buf.copy_(src)
+
+    def copy_out(self) -> None:
+        with torch.no_grad():
+            for dst, out in zip(self.dsts, self.outputs):
+                if not _same_memory(dst, out):
+                    dst.copy_(out)
 
 
 class _Recorder(TorchDispatchMode):
@@ -336,6 +370,8 @@ class TapeBackend(GraphBackend):
     Args:
         sync_in_capture: ``"raise"`` (like CUDA: a host sync inside a capture fails it) or ``"bake"`` (the host
             value read at capture stays in the Python that used it, for tests of that hazard).
+        io_in_graph: graphs copy the batch in and their outputs out themselves (:class:`TapeIO`), as CUDA graphs
+            with ``core._cuda_nodes.GraphIO`` nodes do.
 
     Memory pools follow torch's caching allocator: a pool handle lives while a graph captured into it lives; capturing
     into a pool all of whose graphs were destroyed fails (torch: ``it->second->use_count > 0 INTERNAL ASSERT FAILED``
@@ -348,10 +384,11 @@ class TapeBackend(GraphBackend):
 
     device_type = "cpu"
 
-    def __init__(self, sync_in_capture: str = "raise") -> None:
+    def __init__(self, sync_in_capture: str = "raise", io_in_graph: bool = False) -> None:
         if sync_in_capture not in ("raise", "bake"):
             raise ValueError("sync_in_capture must be 'raise' or 'bake'")
         self.sync_in_capture = sync_in_capture
+        self.io_in_graph = io_in_graph
         self.graphs: list[weakref.ref[TapeGraph]] = []
         self._tally = [0]
 
@@ -374,6 +411,12 @@ class TapeBackend(GraphBackend):
             yield
         graph._fresh = True
         self.graphs.append(weakref.ref(graph))
+
+    def finish(self, graph: TapeGraph, io: Any) -> Optional[TapeIO]:
+        if not self.io_in_graph or io is None:
+            return None
+        graph.io = TapeIO(list(io[0]), list(io[1]))
+        return graph.io
 
     def side_stream(self, device: torch.device) -> _Stream:
         return _Stream()

@@ -597,6 +597,12 @@ def test_memsets_as_kernels_is_an_option_and_graphs_keep_their_memsets_without_t
     with pytest.raises(ValueError, match=r"CaptureConfig\(memsets_as_kernels='no'\) is invalid"):
         CaptureConfig(memsets_as_kernels="no")
     assert CudaBackend(memsets_as_kernels=False).memsets_kept == "memsets_as_kernels=False"
+    # the graph's own batch/output copy nodes: the same machinery, their own option
+    assert CaptureConfig().io_in_graph is True
+    with pytest.raises(ValueError, match=r"CaptureConfig\(io_in_graph=1\) is invalid: use True or False"):
+        CaptureConfig(io_in_graph=1)
+    assert CudaBackend(io_in_graph=False).io_kept == "io_in_graph=False"
+    assert CudaBackend(memsets_as_kernels=False).io_kept == CudaBackend().memsets_kept
     if _cuda_nodes.unavailable() is not None:  # this machine: no libcuda
         assert "libcuda" in _cuda_nodes.unavailable()
         assert "libcuda" in CudaBackend().memsets_kept

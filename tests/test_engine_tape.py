@@ -80,12 +80,13 @@ def same(a: list[Tensor], b: list[Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("io", [False, True], ids=["copies-around", "io-in-graph"])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_graphed_steps_equal_eager_bitwise(fresh):
+def test_graphed_steps_equal_eager_bitwise(fresh, io):
     bs = batches(10)
     ref_losses, ref_params = eager(bs)
     p = Problem()
-    be = TapeBackend()
+    be = TapeBackend(io_in_graph=io)
     eng = p.engine(be, warmup_steps=2)
     losses = [float(eng.step(b, "k", p.step, fresh_grads=fresh)["loss"]) for b in bs]
     assert (eng.stats.warmup_steps, eng.stats.captures, eng.stats.replays) == (2, 1, 7)
@@ -93,13 +94,41 @@ def test_graphed_steps_equal_eager_bitwise(fresh):
     assert losses == ref_losses and same(p.params(), ref_params)
 
 
-def test_returned_outputs_are_copies_that_later_replays_do_not_overwrite():
+@pytest.mark.parametrize("io", [False, True], ids=["copies-around", "io-in-graph"])
+def test_returned_outputs_are_copies_that_later_replays_do_not_overwrite(io):
     bs = batches(8)
     p = Problem()
-    eng = p.engine(warmup_steps=1)
+    eng = p.engine(TapeBackend(io_in_graph=io), warmup_steps=1)
     kept = [eng.step(b, "k", p.step)["loss"] for b in bs]
     ref, _ = eager(bs)
     assert [float(t) for t in kept] == ref and len(set(ref)) == len(ref)
+    assert eng.stats.io_in_graph == io
+
+
+def test_a_graph_that_copies_its_own_io_is_bound_to_each_batch_and_fresh_outputs_before_its_replay(monkeypatch):
+    """io_in_graph: the engine launches no copy of its own; before every replay it hands the graph this batch and
+    memory allocated for this step's outputs. Unbound, the graph would read the captured batch again."""
+    from nemo_cudagraph_plugin.core.buffers import StaticInputs
+
+    p = Problem()
+    be = TapeBackend(io_in_graph=True)
+    eng = p.engine(be, warmup_steps=1)
+    bs = batches(6)
+    eng.step(bs[0], "k", p.step)  # warm-up
+    copies = []
+    monkeypatch.setattr(StaticInputs, "copy_from", lambda self, leaves: copies.append(leaves))
+    outs = [eng.step(b, "k", p.step) for b in bs[1:]]
+    entry = next(iter(eng.cache._entries.values()))
+    assert entry.io is not None and entry.io.binds == 5 and copies == []
+    assert entry.io.srcs[0] is bs[-1]["x"] and entry.io.srcs[1] is bs[-1]["y"]
+    assert entry.io.dsts[0] is outs[-1]["loss"], "the graph writes the returned tensor itself"
+    assert len({o["loss"].data_ptr() for o in outs}) == len(outs)
+    assert CaptureConfig(io_in_graph=False).io_in_graph is False
+    p2 = Problem()
+    eng_off = p2.engine(TapeBackend(io_in_graph=True), warmup_steps=1, io_in_graph=False)
+    for b in bs[:3]:
+        eng_off.step(b, "k", p2.step)
+    assert eng_off.stats.io_in_graph == 0
 
 
 def test_each_replay_reads_the_new_batch_through_the_static_inputs():

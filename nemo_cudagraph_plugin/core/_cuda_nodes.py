@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["FillPlan", "RewriteResult", "fill_plan", "node_types", "rewrite_memsets", "unavailable"]
+__all__ = ["FillPlan", "GraphIO", "RewriteResult", "fill_plan", "node_types", "rewrite_memsets", "unavailable"]
 
 # CUgraphNodeType
 _KERNEL, _MEMSET = 0, 2
@@ -64,7 +64,60 @@ D{tag}:
     ret;
 }}
 """
-_PTX = _PTX_HEAD + "".join(
+# The batch-in / outputs-out copy of a replayed step (CopyNodes): ``nbytes`` from ``src`` to ``dst``, 16 bytes per
+# thread where both addresses and the size allow (decided per launch: a batch may sit at another alignment than the
+# one captured), else one byte per thread. Grid-stride, so the grid fixed at capture fits any alignment.
+_PTX_COPY = """
+.visible .entry ncg_copy(.param .u64 dst, .param .u64 src, .param .u64 nbytes)
+{
+    .reg .pred %p<3>;
+    .reg .b16 %rs1;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<14>;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [nbytes];
+    or.b64 %rd4, %rd1, %rd2;
+    or.b64 %rd4, %rd4, %rd3;
+    and.b64 %rd4, %rd4, 15;
+    setp.ne.u64 %p2, %rd4, 0;
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mov.u32 %r5, %nctaid.x;
+    mul.wide.u32 %rd5, %r2, %r3;
+    cvt.u64.u32 %rd6, %r4;
+    add.u64 %rd5, %rd5, %rd6;
+    mul.wide.u32 %rd7, %r5, %r3;
+    @%p2 bra BYTES;
+    shr.u64 %rd8, %rd3, 4;
+VEC:
+    setp.ge.u64 %p1, %rd5, %rd8;
+    @%p1 bra DONE;
+    shl.b64 %rd9, %rd5, 4;
+    add.u64 %rd10, %rd2, %rd9;
+    add.u64 %rd11, %rd1, %rd9;
+    ld.global.v4.u32 {%r6, %r7, %r8, %r9}, [%rd10];
+    st.global.v4.u32 [%rd11], {%r6, %r7, %r8, %r9};
+    add.u64 %rd5, %rd5, %rd7;
+    bra VEC;
+BYTES:
+    setp.ge.u64 %p1, %rd5, %rd3;
+    @%p1 bra DONE;
+    add.u64 %rd12, %rd2, %rd5;
+    add.u64 %rd13, %rd1, %rd5;
+    ld.global.u8 %rs1, [%rd12];
+    st.global.u8 [%rd13], %rs1;
+    add.u64 %rd5, %rd5, %rd7;
+    bra BYTES;
+DONE:
+    ret;
+}
+"""
+_KERNELS = ("ncg_fill_v4", "ncg_fill_u32", "ncg_fill_u8", "ncg_copy")
+_PTX = _PTX_HEAD + _PTX_COPY + "".join(
     _PTX_KERNEL.format(name=name, tag=tag, regs=regs, setup=setup, address=address, store=store)
     for name, tag, regs, setup, address, store in (
         ("ncg_fill_v4", 4, "", "", "\n    shl.b64 %rd6, %rd3, 4;\n    add.u64 %rd7, %rd1, %rd6;",
@@ -134,6 +187,8 @@ _SIGNATURES: dict[str, tuple] = {
     "cuGraphAddKernelNode_v2": (_P, _P, _P, _S, _P),  # CUDA_KERNEL_NODE_PARAMS_v2
     "cuGraphAddDependencies_v2": (_P, _P, _P, _P, _S),  # graph, from, to, edge data, count
     "cuGraphDestroyNode": (_P,),
+    "cuGraphGetRootNodes": (_P, _P, _P),
+    "cuGraphExecKernelNodeSetParams_v2": (_P, _P, _P),  # exec, node (of the graph it was made from), params
 }
 _MIN_DRIVER = 12030
 
@@ -174,7 +229,7 @@ class _Driver:
             mod = ctypes.c_void_p()
             self.check(self.fn["cuModuleLoadData"](ctypes.byref(mod), ctypes.c_char_p(_PTX.encode())), "cuModuleLoadData")
             self.modules.append(mod)
-            for k in ("ncg_fill_v4", "ncg_fill_u32", "ncg_fill_u8"):
+            for k in _KERNELS:
                 f = ctypes.c_void_p()
                 self.check(self.fn["cuModuleGetFunction"](ctypes.byref(f), mod, k.encode()), "cuModuleGetFunction")
                 self.functions[(key[0], k)] = f
@@ -213,28 +268,51 @@ class _Driver:
         deps = self._edges("cuGraphNodeGetDependencies_v2", node)
         after = self._edges("cuGraphNodeGetDependentNodes_v2", node)
         dst, val, n = ctypes.c_uint64(p.dst), ctypes.c_uint32(plan.pattern), ctypes.c_uint64(plan.units)
-        args = (ctypes.c_void_p * 3)(ctypes.addressof(dst), ctypes.addressof(val), ctypes.addressof(n))
+        kp = self.kernel_params(plan.kernel, (dst, val, n), max(1, min(-(-plan.units // _THREADS), 4 * sm_count)))
+        self.add_kernel(graph, kp, deps, after)
+        # The memset's own edges go with it; what waited for it now waits for the kernel.
+        self.check(self.fn["cuGraphDestroyNode"](ctypes.c_void_p(node)), "cuGraphDestroyNode")
+        return True
+
+    def kernel_params(self, kernel: str, args: tuple, grid: int) -> _KernelParams:
+        """Launch parameters of one of the module's kernels; ``args`` (ctypes values) are read when a node is
+        added or updated with them (the driver copies them)."""
+        arr = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         kp = _KernelParams()
-        kp.func = self.function(plan.kernel).value
-        kp.gridDimX = max(1, min(-(-plan.units // _THREADS), 4 * sm_count))
-        kp.gridDimY = kp.gridDimZ = kp.blockDimY = kp.blockDimZ = 1
-        kp.blockDimX = _THREADS
-        kp.kernelParams = ctypes.cast(args, ctypes.c_void_p)  # copied into the node by the driver
+        kp.func = self.function(kernel).value
+        kp.gridDimX, kp.gridDimY, kp.gridDimZ = grid, 1, 1
+        kp.blockDimX, kp.blockDimY, kp.blockDimZ = _THREADS, 1, 1
+        kp.kernelParams = ctypes.cast(arr, ctypes.c_void_p)
+        kp._keep = (arr, args)  # alive as long as the params are
+        return kp
+
+    def add_kernel(self, graph: int, kp: _KernelParams, deps: list[int], before: list[int]) -> int:
+        """A kernel node after ``deps`` that the nodes ``before`` wait for; returns it. Raises with the graph as it
+        was where an edge cannot be added."""
         new = ctypes.c_void_p()
         dep_arr = (ctypes.c_void_p * max(len(deps), 1))(*deps)
         self.check(self.fn["cuGraphAddKernelNode_v2"](ctypes.byref(new), ctypes.c_void_p(graph), dep_arr,
                                                     ctypes.c_size_t(len(deps)), ctypes.byref(kp)), "cuGraphAddKernelNode")
-        if after:
-            src = (ctypes.c_void_p * len(after))(*([new.value] * len(after)))
-            dst_arr = (ctypes.c_void_p * len(after))(*after)
+        if before:
+            src = (ctypes.c_void_p * len(before))(*([new.value] * len(before)))
+            dst_arr = (ctypes.c_void_p * len(before))(*before)
             rc = self.fn["cuGraphAddDependencies_v2"](ctypes.c_void_p(graph), src, dst_arr, None,
-                                                      ctypes.c_size_t(len(after)))
-            if rc != 0:  # leave the graph as it was
+                                                      ctypes.c_size_t(len(before)))
+            if rc != 0:
                 self.fn["cuGraphDestroyNode"](new)
                 self.check(rc, "cuGraphAddDependencies")
-        # The memset's own edges go with it; what waited for it now waits for the kernel.
-        self.check(self.fn["cuGraphDestroyNode"](ctypes.c_void_p(node)), "cuGraphDestroyNode")
-        return True
+        return new.value or 0
+
+    def roots(self, graph: int) -> list[int]:
+        f = self.fn["cuGraphGetRootNodes"]
+        n = ctypes.c_size_t(0)
+        self.check(f(ctypes.c_void_p(graph), None, ctypes.byref(n)), "cuGraphGetRootNodes")
+        arr = (ctypes.c_void_p * max(n.value, 1))()
+        self.check(f(ctypes.c_void_p(graph), arr, ctypes.byref(n)), "cuGraphGetRootNodes")
+        return [a or 0 for a in arr[: n.value]]
+
+    def sinks(self, graph: int) -> list[int]:
+        return [n for n in self.nodes(graph) if not self._edges("cuGraphNodeGetDependentNodes_v2", n)]
 
 
 _lock = threading.Lock()
@@ -282,6 +360,62 @@ def rewrite_memsets(graph: int, sm_count: int) -> RewriteResult:
         else:
             res.kept += 1
     return res
+
+
+class GraphIO:
+    """Copy kernel nodes at the edges of a graph, whose far address is set before each launch.
+
+    ``inputs``: ``(buffer address, bytes)`` of each input buffer the graph reads. One node per buffer, before every
+    root node of the graph, copies into it from the address given by :meth:`bind` (the batch where it landed).
+    ``outputs``: ``(buffer address, bytes)`` of each output the graph writes. One node per output, after every sink
+    node, copies it to the address given by :meth:`bind` (fresh memory of this step). A replay then needs no copy
+    launch of its own before or after the graph: on an H200 each such launch costs the device 2.5-3.5 µs between
+    two replays (``benchmarks/step_boundary.py``) and the host one torch operation.
+
+    The graph must not be instantiated yet; call :meth:`instantiated` with its executable graph after, and
+    :meth:`bind` before every launch (until bound, each node copies its buffer onto itself). A launch that is
+    already queued keeps the addresses it was launched with (``cuGraphExecKernelNodeSetParams``).
+    """
+
+    def __init__(self, graph: int, inputs: list[tuple[int, int]], outputs: list[tuple[int, int]], sm_count: int) -> None:
+        drv = _get()
+        if drv is None:
+            raise RuntimeError(f"graph I/O nodes unavailable: {_driver_error}")
+        self._drv = drv
+        roots, sinks = drv.roots(graph), drv.sinks(graph)
+        self._in = [self._node(graph, addr, n, sm_count, [], roots, far_is_src=True) for addr, n in inputs]
+        self._out = [self._node(graph, addr, n, sm_count, sinks, [], far_is_src=False) for addr, n in outputs]
+        self._exec: Optional[ctypes.c_void_p] = None
+        self._set = drv.fn["cuGraphExecKernelNodeSetParams_v2"]
+
+    def _node(self, graph: int, addr: int, nbytes: int, sm_count: int, deps: list[int], before: list[int],
+              far_is_src: bool) -> tuple:
+        dst, src, n = ctypes.c_uint64(addr), ctypes.c_uint64(addr), ctypes.c_uint64(nbytes)
+        grid = max(1, min(-(-nbytes // (16 * _THREADS)), 4 * sm_count))
+        kp = self._drv.kernel_params("ncg_copy", (dst, src, n), grid)
+        node = self._drv.add_kernel(graph, kp, deps, before)
+        # (the argument bind() sets, the node, the params passed by reference): built once, used per launch
+        return (src if far_is_src else dst, ctypes.c_void_p(node), ctypes.byref(kp), kp)
+
+    def instantiated(self, graph_exec: int) -> None:
+        """The executable graph made from this graph (its nodes are updated there)."""
+        self._exec = ctypes.c_void_p(graph_exec)
+
+    def bind(self, srcs: list[Any], dsts: list[Any]) -> None:
+        """The next launch copies the batch in from the tensors ``srcs`` (one per input, laid out as its buffer)
+        and the outputs out into the tensors ``dsts`` (one per output). A few driver calls; no device work, no
+        sync. The tensors must stay allocated until that launch has run (stream order on the launch's stream)."""
+        set_params, ex = self._set, self._exec
+        for (arg, node, ref, _), t in zip(self._in, srcs):
+            arg.value = t.data_ptr()
+            rc = set_params(ex, node, ref)
+            if rc:
+                self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
+        for (arg, node, ref, _), t in zip(self._out, dsts):
+            arg.value = t.data_ptr()
+            rc = set_params(ex, node, ref)
+            if rc:
+                self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
 
 
 def node_types(graph: int) -> dict[str, int]:

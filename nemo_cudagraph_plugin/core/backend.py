@@ -2,7 +2,8 @@
 
 :class:`CudaBackend` is what training uses: ``torch.cuda`` graphs, streams, the shared memory pool,
 ``set_sync_debug_mode("error")`` and the CUDA RNG; each graph it captures has its memset nodes rewritten as
-fill kernels before it is instantiated (``_cuda_nodes``, option ``memsets_as_kernels``). The engine never
+fill kernels (option ``memsets_as_kernels``) and copy nodes added for the batch and the outputs (option
+``io_in_graph``) before it is instantiated (``_cuda_nodes``). The engine never
 calls ``torch.cuda`` itself, so its decisions (keys, guards, copies, counters, re-capture) can be exercised on a
 machine without a GPU by a stand-in backend whose "graph" re-runs the recorded tensor operations on the same memory
 (``tests/_tape.py``); nothing in the package uses a stand-in.
@@ -43,6 +44,16 @@ class GraphBackend:
         """Context in which the step runs once and is recorded into ``graph``."""
         raise NotImplementedError
 
+    def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
+        """Make a graph whose capture the engine keeps ready to replay.
+
+        ``io``: the graph's input buffers and outputs, where the engine lets the graph copy them itself. Returns
+        an object whose ``bind(batch, fresh)`` makes the next replay copy the batch tensors ``batch`` into the input
+        buffers before its first node and the outputs into ``fresh`` after its last; ``None``: the engine copies
+        them around the replay.
+        """
+        return None
+
     def side_stream(self, device: torch.device) -> Any:
         raise NotImplementedError
 
@@ -67,26 +78,29 @@ class CudaBackend(GraphBackend):
     """``torch.cuda`` graphs (the only backend the package uses).
 
     Args:
-        memsets_as_kernels: rewrite each captured graph's memset nodes as fill kernels that write the same bytes
-            (where the driver API and ``CUDAGraph(keep_graph=True)`` exist; otherwise graphs keep them).
+        memsets_as_kernels: rewrite each captured graph's memset nodes as fill kernels that write the same bytes.
+        io_in_graph: add copy kernel nodes for the batch (before the graph's first node) and the outputs (after its
+            last) whose addresses are set before each replay (``_cuda_nodes.GraphIO``), for contiguous tensors.
+
+    Both need the driver API and ``CUDAGraph(keep_graph=True)``; without them graphs keep their memsets and the
+    engine copies around the replay.
     """
 
     device_type = "cuda"
 
-    def __init__(self, memsets_as_kernels: bool = True) -> None:
+    def __init__(self, memsets_as_kernels: bool = True, io_in_graph: bool = True) -> None:
+        surgery = "torch < 2.8 has no CUDAGraph(keep_graph=True)" if not _keep_graph_supported() else _cuda_nodes.unavailable()
         #: why captured graphs keep their memset nodes; None: they run them as fill kernels
-        self.memsets_kept: Optional[str]
-        if not memsets_as_kernels:
-            self.memsets_kept = "memsets_as_kernels=False"
-        elif not _keep_graph_supported():
-            self.memsets_kept = "torch < 2.8 has no CUDAGraph(keep_graph=True)"
-        else:
-            self.memsets_kept = _cuda_nodes.unavailable()
+        self.memsets_kept: Optional[str] = "memsets_as_kernels=False" if not memsets_as_kernels else surgery
+        #: why the batch and outputs are copied around the replay; None: by the graph (where the tensors allow)
+        self.io_kept: Optional[str] = "io_in_graph=False" if not io_in_graph else surgery
         self.memsets_rewritten = 0
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
-        # keep_graph: captured but not instantiated, so its nodes can still change (instantiated in capture()).
-        return torch.cuda.CUDAGraph(keep_graph=True) if self.memsets_kept is None else torch.cuda.CUDAGraph()
+        # keep_graph: captured but not instantiated, so its nodes can still change (instantiated in finish()).
+        if self.memsets_kept is None or self.io_kept is None:
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        return torch.cuda.CUDAGraph()
 
     def pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -96,13 +110,27 @@ class CudaBackend(GraphBackend):
         # thread_local: other threads (a dataloader's pin-memory thread) may keep using CUDA.
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield
+
+    def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
+        if self.memsets_kept is not None and self.io_kept is not None:
+            return None  # instantiated by torch at the end of the capture
+        raw = graph.raw_cuda_graph()
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         if self.memsets_kept is None:
             try:
-                sms = torch.cuda.get_device_properties(stream.device).multi_processor_count
-                self.memsets_rewritten += _cuda_nodes.rewrite_memsets(graph.raw_cuda_graph(), sms).replaced
+                self.memsets_rewritten += _cuda_nodes.rewrite_memsets(raw, sms).replaced
             except RuntimeError as exc:  # the graph is valid either way: what was not rewritten stays a memset
                 warn_once("memsets-as-kernels", f"memset nodes of a captured graph stay memsets: {exc}")
-            graph.instantiate()
+        nodes = None
+        if self.io_kept is None and io is not None and _copyable(io[0]) and _copyable(io[1]):
+            try:
+                nodes = _cuda_nodes.GraphIO(raw, _spans(io[0]), _spans(io[1]), sms)
+            except RuntimeError as exc:  # a node added before the error copies its buffer onto itself until bound
+                warn_once("io-in-graph", f"the batch and outputs are copied around the replay: {exc}")
+        graph.instantiate()
+        if nodes is not None:
+            nodes.instantiated(graph.raw_cuda_graph_exec())
+        return nodes
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=device)
@@ -129,8 +157,19 @@ class CudaBackend(GraphBackend):
         torch.cuda.set_rng_state(state, device)
 
 
-def default_backend(backend: Optional[GraphBackend], memsets_as_kernels: bool = True) -> GraphBackend:
-    return backend if backend is not None else CudaBackend(memsets_as_kernels)
+def default_backend(backend: Optional[GraphBackend], memsets_as_kernels: bool = True,
+                    io_in_graph: bool = True) -> GraphBackend:
+    return backend if backend is not None else CudaBackend(memsets_as_kernels, io_in_graph)
+
+
+def _copyable(tensors: list[torch.Tensor]) -> bool:
+    """A copy node moves one contiguous span of device memory per tensor (a batch tensor of the same signature has the
+    same strides, so it is contiguous too)."""
+    return all(t.is_cuda and t.is_contiguous() for t in tensors)
+
+
+def _spans(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
 
 
 def _keep_graph_supported() -> bool:

@@ -29,7 +29,11 @@ not: Python side effects of ``fn`` (counters, hooks, prints) run once, at captur
 repeats what it needs after each replay (``after_replay``). Hazards covered here:
 
 * inputs at fixed addresses: :class:`~.buffers.StaticInputs`, copied in before each replay;
-* outputs overwritten by the next replay: tensor outputs are copied into fresh memory after every replay (one launch);
+* outputs overwritten by the next replay: tensor outputs are copied into fresh memory after every replay;
+* those two copies are kernel nodes of the graph itself where the backend can add them (``io_in_graph``): the
+  first node copies the batch in from where it lies, the last ones copy the outputs into memory allocated for
+  this step; their addresses are set before each replay (:meth:`GraphEntry.replay`). Elsewhere each is a launch
+  of its own around the graph;
 * host syncs inside the step: the last warm-up runs with sync errors on and failures are
   reported at the user's file:line (:mod:`.errors`);
 * re-allocated state: each graph records the address of every tensor it reads or writes across
@@ -105,9 +109,24 @@ class GraphEntry:
     #: the graph writes the gradients fresh (captured with them set to None first)
     owns_grads: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the graph's own copy nodes for the batch and the outputs (``GraphBackend.finish``); None: launches around it
+    io: Any = None
 
     def __post_init__(self) -> None:
         self._build = unflattener(self.out_spec)  # decided once: outputs() runs after every replay
+
+    def replay(self, leaves: list[Tensor]) -> Any:
+        """Replay on the batch ``leaves``; this step's outputs, in fresh memory (hot path)."""
+        io = self.io
+        if io is None:
+            self.inputs.copy_from(leaves)
+            self.graph.replay()
+            return self.outputs()
+        # The graph copies the batch in from where it lies and its outputs into this memory: no launch of ours.
+        fresh = [torch.empty_like(t) for t in self.out_leaves]
+        io.bind(leaves, fresh)
+        self.graph.replay()
+        return self._build(fresh)
 
     def outputs(self) -> Any:
         """This replay's outputs in fresh memory: the next replay overwrites the static outputs, and a user may keep
@@ -164,7 +183,7 @@ class CaptureEngine:
         watched_fn: Callable[[], Sequence[tuple[str, Tensor]]] = lambda: [],
         mutable_fn: Callable[[], Sequence[Tensor]] = lambda: [],
     ) -> None:
-        self.backend = default_backend(backend, config.memsets_as_kernels)
+        self.backend = default_backend(backend, config.memsets_as_kernels, config.io_in_graph)
         if device.type != self.backend.device_type:
             raise ValueError(f"CaptureEngine needs a {self.backend.device_type.upper()} device, got {device}")
         if device.type == "cuda" and device.index is None:
@@ -243,14 +262,13 @@ class CaptureEngine:
             entry = self.cache.get(full_key)
         if entry is None:
             return self._miss(full_key, leaves, spec, batch, fn, fresh_grads)
-        entry.inputs.copy_from(leaves)
         if self._verify_left > 0:
-            return self._verified_replay(entry, batch, quiet_fn or fn)
-        entry.graph.replay()
+            return self._verified_replay(entry, leaves, batch, quiet_fn or fn)
+        out = entry.replay(leaves)
         self.stats.replays += 1
         if self.after_replay is not None:
             self.after_replay(entry)
-        return entry.outputs()
+        return out
 
     def set_params(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
         """The trainable parameters changed (layers frozen or unfrozen). Call with the graphs dropped
@@ -448,6 +466,8 @@ class CaptureEngine:
                     out = fn(inputs.batch)
             for check in self.post_capture_checks:
                 check()
+            out_leaves, out_spec = flatten(out)
+            io = be.finish(graph, (inputs.leaves, out_leaves) if self.config.io_in_graph else None)
         except CaptureError as err:  # a hazard check refused this capture
             undo()
             return self._handle_capture_error(err, err, fn, batch)
@@ -469,7 +489,6 @@ class CaptureEngine:
                 rule="reallocation",
             )
             return self._handle_capture_error(err, err, fn, batch)
-        out_leaves, out_spec = flatten(out)
         # A gradient this (non-owning) capture created is written fresh by the graph, not accumulated:
         # right for this step (eager had no gradient either), stale from the next step on. Recording it
         # as absent makes the next check drop the graph, so it is captured again with the gradient.
@@ -479,7 +498,7 @@ class CaptureEngine:
         # graph's own pool memory (other graphs' captures may reuse it between replays).
         watched = [(n, t) for n, t in named_after if n not in grads]
         keep = [t.untyped_storage() for _, t in watched]
-        entry = GraphEntry(graph, inputs, out_spec, out_leaves, key, state, keep, owns_grads=owns)
+        entry = GraphEntry(graph, inputs, out_spec, out_leaves, key, state, keep, owns_grads=owns, io=io)
         entry.meta["watch"] = self._watch(watched)
         self.cache.put(key, entry)
         self._scan = [p for _, p in self.named_params] + [
@@ -489,15 +508,16 @@ class CaptureEngine:
         self.stats.captures += 1
         self.stats.graphs = len(self.cache)
         self.stats.memsets_as_kernels = be.memsets_rewritten
+        self.stats.io_in_graph += io is not None
         if self.on_capture is not None:
             self.on_capture(entry)
         self.stats.capture_time_s += time.perf_counter() - t0
         # Capture records the step without running it: run it now for this batch.
-        graph.replay()
+        out = entry.replay(leaves)
         # Other graphs recorded the gradients' old addresses (gradients this capture created or owns).
         if owns or len(state) != len(before_ptrs):
             self._flag.dirty = True
-        return entry.outputs()
+        return out
 
     def _handle_capture_error(self, err: CaptureError, exc: BaseException, fn: StepFn, batch: Any) -> Any:
         if self.config.on_capture_error == "raise":
@@ -509,7 +529,7 @@ class CaptureEngine:
     # ------------------------------------------------------------------------------------------
     # verify_steps
     # ------------------------------------------------------------------------------------------
-    def _verified_replay(self, entry: GraphEntry, batch: Any, quiet_fn: StepFn) -> Any:
+    def _verified_replay(self, entry: GraphEntry, leaves: list[Tensor], batch: Any, quiet_fn: StepFn) -> Any:
         """Run the step eagerly, undo everything it wrote, then replay the graph and compare.
 
         The eager half runs first under a recorder that snapshots every pre-existing tensor before
@@ -538,9 +558,8 @@ class CaptureEngine:
         self.generators.set_states(gens)
         be.set_rng_state(rng, self.device)
         restore_host()
-        entry.graph.replay()
+        out_graph = entry.replay(leaves)
         self.stats.replays += 1
-        out_graph = entry.outputs()
         graph_vals = _metrics(out_graph, self.named_params)
         if entry.owns_grads and any(
             p.grad is not None and p.grad.data_ptr() != entry.state.get(n + ".grad") for n, p in self.named_params

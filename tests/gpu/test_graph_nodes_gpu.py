@@ -104,3 +104,62 @@ def test_the_rewritten_graph_equals_the_captured_one_bitwise():
         torch.cuda.synchronize()
         assert torch.equal(ref[1], new[1])
         assert torch.equal(ref[3], new[3])
+
+
+# ------------------------------------------------------------------------------------------------ GraphIO
+
+
+def _io_graph(n: int):
+    """A graph computing ``out = inp + 1`` on uint8 buffers of ``n`` bytes, with GraphIO copy nodes at its edges."""
+    inp = torch.zeros(n, dtype=torch.uint8, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        inp + 1  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        out = inp + 1
+    raw = g.raw_cuda_graph()
+    before = _cuda_nodes.node_types(raw)["kernel"]
+    io = _cuda_nodes.GraphIO(raw, [(inp.data_ptr(), n)], [(out.data_ptr(), n)], 132)
+    assert _cuda_nodes.node_types(raw)["kernel"] == before + 2
+    g.instantiate()
+    io.instantiated(g.raw_cuda_graph_exec())
+    return g, io, inp, out
+
+
+@pytest.mark.parametrize("n", [1, 37, 4096, (1 << 20) + 3])
+@pytest.mark.parametrize("src_off, dst_off", [(0, 0), (1, 0), (0, 5), (3, 16), (8, 8)])
+def test_graph_io_nodes_copy_the_bound_batch_in_and_outputs_out_at_any_alignment(n, src_off, dst_off):
+    g, io, inp, out = _io_graph(n)
+    for step in range(3):  # each replay reads the batch bound for it and writes the memory bound for it
+        src_buf = torch.randint(0, 250, (n + 32,), dtype=torch.uint8, device=DEV)
+        dst_buf = torch.full((n + 32,), 0xEE, dtype=torch.uint8, device=DEV)
+        src, dst = src_buf[src_off:src_off + n], dst_buf[dst_off:dst_off + n]
+        io.bind([src], [dst])
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(inp, src), "the batch was not copied into the input buffer"
+        assert torch.equal(dst, src + 1), f"step {step}: the output was not copied to the bound memory"
+        assert torch.equal(out, src + 1)
+        # bytes around the bound output are untouched
+        assert (dst_buf[:dst_off] == 0xEE).all() and (dst_buf[dst_off + n:] == 0xEE).all()
+
+
+def test_graph_io_a_queued_replay_keeps_the_addresses_it_was_launched_with():
+    """bind() for the next step while this step's replay still waits in the queue (behind a 50 ms sleep kernel):
+    the queued replay reads and writes what was bound for it."""
+    n = 1 << 16
+    g, io, inp, out = _io_graph(n)
+    a = torch.randint(0, 250, (n,), dtype=torch.uint8, device=DEV)
+    b = torch.randint(0, 250, (n,), dtype=torch.uint8, device=DEV)
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    io.bind([a], [da])
+    g.replay()
+    io.bind([b], [db])
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(da, a + 1) and torch.equal(db, b + 1)
