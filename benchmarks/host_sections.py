@@ -6,7 +6,8 @@ sections themselves with ``time.perf_counter_ns`` around them (about 0.1 µs per
 tiny preset where the step is host-bound (``CudaGraphCallback()`` as in ``step_time.py``'s ``callback``):
 
 * the runner's step (``loop.run``) and inside it: the step key, ``engine.step`` (its guards, batch flatten and
-  signature, cache lookup, input copy, replay, progress counters, output copy, the rest), the re-emitted logs
+  signature, cache lookup, input copy, replay, progress counters, output copy or, with ``io_in_graph``, the binding
+  of the graph's copy nodes, the rest), the re-emitted logs
   (``fast_log``), the rest (NaN guard bookkeeping);
 * between steps (Lightning's loop) and inside it: the routed batch transfer;
 * then primitives alone, each timed over many calls: the launches a step makes (``copy_`` and ``_foreach_copy_``
@@ -17,6 +18,7 @@ Only this diagnostic process wraps anything (instance attributes, and two module
 product is not changed. Measures, never asserts::
 
     python benchmarks/host_sections.py --steps 300 --from 100 --out /tmp/hs
+    python benchmarks/host_sections.py --io-in-graph 1 0 1 0 --n 500   # both ways, alternating, one process
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class Instrument(pl.Callback):
             entry.inputs.copy_from = sec.wrap("engine: input copy", entry.inputs.copy_from)
             entry.graph.replay = sec.wrap("engine: graph.replay", entry.graph.replay)
             entry.outputs = sec.wrap("engine: output copy", entry.outputs)
+            if entry.io is not None:  # io_in_graph: the graph copies; the host points its nodes at the tensors
+                entry.io.bind = sec.wrap("engine: io bind (batch in, outputs out)", entry.io.bind)
 
         engine.on_capture = captured
         runner.logs.emit = sec.wrap("run: logs.emit (all)", runner.logs.emit)
@@ -209,55 +213,74 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="first", type=int, default=100)
     ap.add_argument("--n", type=int, default=2000, help="calls per primitive")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--io-in-graph", type=int, nargs="+", default=[1], choices=[0, 1],
+                    help="one fit per value, in this order, in this process (CudaGraphCallback(io_in_graph=...)): "
+                         "sections of different fits compare within one process (the host's speed differs between "
+                         "processes)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/host_sections.py needs a CUDA GPU")
         return 2
-    spec = st.Spec(variant="callback", preset=args.preset, steps=args.steps, measure_from=args.first)
-    cfg = st.get_config(spec.preset)
-    pl.seed_everything(0, verbose=False)
-    module = st.BenchModule(cfg, optim=spec.optim, capturable=False)
-    sec = Sections()
-    cb = CudaGraphCallback()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, precision=spec.precision, max_steps=args.steps,
-                         callbacks=[cb, Instrument(cb, sec, args.first, args.steps - 1)], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
-    t = _ns()
-    trainer.fit(module, train_dataloaders=st._loader(spec, cfg))
-    torch.cuda.synchronize()
-    wall = (_ns() - t) / 1e9
-    med = sec.medians()
-    inst = trainer.callbacks[1]
-    hp = [(b - a) / 1e3 for a, b in zip(inst.host_starts, inst.host_starts[1:])]
-    ev = inst.events[:len(inst.host_starts)]
-    dp = [a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])]
-    periods = {"host period, median": statistics.median(hp), "host period, mean": statistics.fmean(hp),
-               "device period (events), median": statistics.median(dp),
-               "device period (events), mean": statistics.fmean(dp)}
+    fits = [_fit(args, bool(io)) for io in args.io_in_graph]
     prim = primitives(args.n)
-    rows = sorted(med.items(), key=lambda kv: kv[0])
-    lines = [f"host sections, {args.preset}, steps {args.first}-{args.steps - 2} ({len(sec.steps)} steps), "
-             f"median µs per step; fit {wall:.1f} s; {cb.stats.summary()}"]
-    lines += [f"  {v:8.1f}  {k}" for k, v in rows]
-    lines.append(f"  {med.get('run (all)', 0) + med.get('between steps (all)', 0):8.1f}  run + between (one step)")
+    names = sorted({k for f in fits for k in f["sections_us"]})
+    head = [f"io_in_graph={int(f['io_in_graph'])}" for f in fits]
+    lines = [f"host sections, {args.preset}, steps {args.first}-{args.steps - 2}, median µs per step, one column per "
+             f"fit in this process ({', '.join(head)})"]
+
+    def row(field: str, key: str, label: str = "") -> str:
+        vals = "  ".join(f"{f[field].get(key, float('nan')):8.1f}" for f in fits)
+        return f"  {vals}  {label or key}"
+
+    lines += [row("sections_us", k) for k in names]
+    for f in fits:
+        f["sections_us"]["run + between (one step)"] = (f["sections_us"].get("run (all)", 0)
+                                                        + f["sections_us"].get("between steps (all)", 0))
+    lines.append(row("sections_us", "run + between (one step)"))
     lines.append("step period, µs (host: run start to run start; device: an event at each run start):")
-    lines += [f"  {v:8.1f}  {k}" for k, v in periods.items()]
+    lines += [row("periods_us", k) for k in fits[0]["periods_us"]]
     lines.append("batch transfer alone, host µs per call (pinned batch, inside the fit):")
-    lines += [f"  {v:8.1f}  {k}" for k, v in inst.transfer.items()]
+    lines += [row("transfer_us", k) for k in fits[0]["transfer_us"]]
+    lines += [f"  fit {i}: {f['summary']}" for i, f in enumerate(fits)]
     lines.append(f"primitives, host µs per call (best of 5 x {args.n}):")
     lines += [f"  {v:8.2f}  {k}" for k, v in prim.items()]
     text = "\n".join(lines)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host_sections.json").write_text(json.dumps(
-            {"preset": args.preset, "steps": len(sec.steps), "sections_us": med, "primitives_us": prim,
-             "periods_us": periods, "transfer_us": inst.transfer,
+            {"preset": args.preset, "fits": fits, "primitives_us": prim,
              "torch": torch.__version__, "lightning": pl.__version__, "gpu": torch.cuda.get_device_name()},
             indent=1))
         (args.out / "host_sections.txt").write_text(text + "\n")
     print(text)
     return 0
+
+
+def _fit(args: argparse.Namespace, io_in_graph: bool) -> dict:
+    """One instrumented fit of the preset; its section medians, step periods and transfer costs."""
+    spec = st.Spec(variant="callback", preset=args.preset, steps=args.steps, measure_from=args.first)
+    cfg = st.get_config(spec.preset)
+    pl.seed_everything(0, verbose=False)
+    module = st.BenchModule(cfg, optim=spec.optim, capturable=False)
+    sec = Sections()
+    cb = CudaGraphCallback(io_in_graph=io_in_graph)
+    inst = Instrument(cb, sec, args.first, args.steps - 1)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision=spec.precision, max_steps=args.steps,
+                         callbacks=[cb, inst], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    t = _ns()
+    trainer.fit(module, train_dataloaders=st._loader(spec, cfg))
+    torch.cuda.synchronize()
+    wall = (_ns() - t) / 1e9
+    hp = [(b - a) / 1e3 for a, b in zip(inst.host_starts, inst.host_starts[1:])]
+    ev = inst.events[:len(inst.host_starts)]
+    dp = [a.elapsed_time(b) * 1e3 for a, b in zip(ev, ev[1:])]
+    periods = {"host period, median": statistics.median(hp), "host period, mean": statistics.fmean(hp),
+               "device period (events), median": statistics.median(dp),
+               "device period (events), mean": statistics.fmean(dp)}
+    return {"io_in_graph": io_in_graph, "steps": len(sec.steps), "wall_s": wall, "sections_us": sec.medians(),
+            "periods_us": periods, "transfer_us": inst.transfer, "summary": cb.stats.summary(),
+            "io_graphs": cb.stats.io_in_graph}
 
 
 if __name__ == "__main__":
