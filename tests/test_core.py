@@ -225,6 +225,14 @@ def test_unsupported_optimizers_are_named_with_an_alternative():
 
     with pytest.raises(TypeError, match="Custom has no `capturable` option"):
         check_optimizer_supported(Custom(ps))
+    # differentiable=True (the update stays in autograd's graph) and sparse parameters are refused by group
+    with pytest.raises(TypeError, match="AdamW param group 1 has differentiable=True"):
+        check_optimizer_supported(torch.optim.AdamW([{"params": ps}, {"params": [torch.nn.Parameter(torch.ones(2))],
+                                                                      "differentiable": True}]))
+    sparse = torch.nn.Parameter(torch.eye(2).to_sparse())
+    with pytest.raises(TypeError, match="SGD param group 0 holds a sparse parameter"):
+        check_optimizer_supported(torch.optim.SGD([sparse], lr=0.1))
+    check_optimizer_supported(torch.optim.AdamW(ps))  # the supported case passes
 
 
 def test_portable_checkpoint_state_has_floats_and_original_flags():

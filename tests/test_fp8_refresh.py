@@ -228,9 +228,13 @@ def test_moving_buffer_outside_capture_warns_or_raises():
         after_param_sync(p)  # strict by default: graphs captured earlier read these buffers
 
 
-def test_wrong_size_buffer_is_refused_before_writing():
+@pytest.mark.parametrize("shape,dtype", [((3, 3), torch.uint8), ((4, 7), torch.uint8), ((4, 8), torch.float16)],
+                         ids=["shape", "too-few-bytes", "element-size"])
+def test_wrong_size_buffer_is_refused_before_writing(shape, dtype):
+    """A cached transpose that does not fit the data (other shape; the right first dimension but fewer elements;
+    other element size) is refused before TE's kernel writes numel bytes into it."""
     p = make_fp8_param("te2", (8, 4), fp8_name="w")
-    p._transpose = torch.zeros(3, 3, dtype=torch.uint8)
+    p._transpose = torch.zeros(shape, dtype=dtype)
     with pytest.raises(RuntimeError, match="out of bounds"):
         refresh_fp8_transposes(p)
     assert p.fp8_log.count("compute") == 0 and torch.count_nonzero(p._transpose) == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 
 import lightning.pytorch as pl
@@ -942,6 +943,22 @@ def test_strategy_wraps_ddp_and_refuses_what_it_cannot_capture():
         CudaGraphStrategy("deepspeed")
     with pytest.raises(ValueError, match="wrap a plain strategy once"):
         CudaGraphStrategy(CudaGraphStrategy())
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+def test_strategy_creates_the_process_group_with_nccl_async_error_handling_off_then_restores_it(monkeypatch, before):
+    """PyTorch's watchdog may query work created during a capture while NCCL async error handling is on: the DDP
+    strategy turns it off for this process while the process group is created, and puts back what was there."""
+    env = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    seen = []
+    monkeypatch.setattr(DDPStrategy, "setup_distributed", lambda self: seen.append(os.environ.get(env)))
+    if before is None:
+        monkeypatch.delenv(env, raising=False)
+    else:
+        monkeypatch.setenv(env, before)
+    CudaGraphStrategy("ddp").setup_distributed()
+    assert seen == ["0"]
+    assert os.environ.get(env) == before
 
 
 @pytest.mark.parametrize("what,label,match", [("fp16", "fp16 precision", "GradScaler"),

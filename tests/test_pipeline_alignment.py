@@ -600,6 +600,21 @@ def test_align_rejects_bad_input_clearly():
         align_fp8_transposes([["x"]])
 
 
+def test_group_barrier_is_refused_inside_a_capture(monkeypatch):
+    """A barrier blocks the host: inside a capture it would be recorded as nothing (or hang a replay). Asking the
+    alignment for it there is refused, naming the call, even where torch.distributed is not initialised; the refresh
+    alone (sync_group=False) stays capturable."""
+    import nemo_cudagraph_plugin.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "_is_capturing", lambda: True)
+    chunks = [nn.Linear(2, 2)]
+    with pytest.raises(RuntimeError, match=r"align_fp8_transposes\(sync_group=True\) cannot run inside a CUDA graph"):
+        align_fp8_transposes(chunks, sync_group=True)
+    with pytest.raises(RuntimeError, match=r"align_fp8_transposes\(sync_group=True\) cannot run inside a CUDA graph"):
+        pipeline.TransposeAligner(chunks, sync_group=True)()
+    assert align_fp8_transposes(chunks) == 0 and pipeline.TransposeAligner(chunks)() == 0
+
+
 def test_sync_without_distributed_is_a_noop():
     assert not dist.is_initialized()
     assert sync_pipeline_group() is False
@@ -848,14 +863,15 @@ class _NoHooks(fp8_doubles.WritingOptimizer):
         return H()
 
 
-def test_lightning_callback_falls_back_when_step_hooks_do_not_run():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_callback_falls_back_when_step_hooks_do_not_run(accumulate):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        module, cb, events, log = _lightning_run(_NoHooks, steps=3)
+        module, cb, events, log = _lightning_run(_NoHooks, accumulate=accumulate, steps=3)
     assert cb.fallback and any("post-hook never ran" in str(x.message) for x in w)
     # Detected at the end of the first stepping batch, which then refreshes: still before the next one.
     assert [e for e in events if e[0] == "transpose" and e[1][0] == "step"] == []
-    assert cb.refreshes == 3
+    assert cb.refreshes == 3  # once per optimizer step, also when batches accumulate
 
 
 def test_lightning_callback_falls_back_without_register_step_post_hook():
