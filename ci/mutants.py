@@ -12,6 +12,7 @@ that passes without the break can be said to catch it.
 
     python ci/mutants.py --tier cpu          # CI (ci/stages.sh mutants); CPU-only tests
     python ci/mutants.py --tier gpu          # on the GPU host (tests/gpu; TransformerEngine for the FP8 one)
+    .venv-nemo/bin/python ci/mutants.py --tier nemo   # CI (ci/stages.sh nemo): the NeMo-marked tests, real NeMo 2.7.3
     python ci/mutants.py --list              # the mutants, their files and tests
     python ci/mutants.py --only NAME[,NAME]  # some of them
     python ci/mutants.py --tier gpu --out docs/gpu-evidence/DATE-mutants-gpu.md   # the table as a record
@@ -51,12 +52,13 @@ LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
 GPU = "tests/gpu/test_can_fail_gpu.py::"
 NF = "tests/test_nemo_flag.py::"
+NEMO_PY = "nemo_cudagraph_plugin/nemo.py"
 
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    tier: str  # "cpu" | "gpu"
+    tier: str  # "cpu" | "gpu" | "nemo" (tests that need NeMo, nemo_run and megatron-core: .venv-nemo)
     file: str
     old: str
     new: str
@@ -547,6 +549,47 @@ MUTANTS: list[Mutant] = [
            "or False:\n            return",
            ("tests/test_pipeline_alignment.py::test_lightning_callback_falls_back_when_step_hooks_do_not_run[2]",),
            "the end-of-batch path runs on batches that did not step (gradient accumulation)"),
+    # -- session 10: the NeMo flag on real NeMo recipes (tier nemo: .venv-nemo, ci/stages.sh nemo) ----------------
+    Mutant("megatron-rng-tracker-left-off", "nemo", NEMO_PY,
+           '"use_te_rng_tracker", True,\n',
+           '"use_te_rng_tracker", False,\n',
+           (NF + "test_llama3_8b_flag_passes_megatron_strategy_connect_on_cpu", NF + "test_undo_leaves_what_was_there_before_the_flag"),
+           "the flag leaves TE's graph-safe RNG tracker off on a MegatronStrategy recipe"),
+    Mutant("full-iteration-nan-checks-kept", "nemo", NEMO_PY,
+           "    if setup.full_iteration:\n        _megatron_nan_checks_off(strategy, editor)",
+           "    if setup.full_iteration:\n        pass",
+           (NF + "test_llama3_8b_full_iteration_wires_the_step_wrapper", NF + "test_llama3_8b_default_on_megatron_core_0161_is_the_whole_iteration_graph"),
+           "Megatron DDP's host-side NaN check stays on inside the full-iteration graph"),
+    Mutant("full-iteration-wrapper-not-added", "nemo", NEMO_PY,
+           "            _add_our_callback(trainer, editor, MegatronFullIterationGraph, _OUR_FULL,",
+           "            (lambda *a: None)(trainer, editor, MegatronFullIterationGraph, _OUR_FULL,",
+           (NF + "test_llama3_8b_full_iteration_wires_the_step_wrapper", NF + "test_llama3_8b_default_on_megatron_core_0161_is_the_whole_iteration_graph"),
+           "megatron-core >= 0.16: nothing wraps the step in FullCudaGraphWrapper, so nothing is captured"),
+    Mutant("fp8-pp-align-not-added", "nemo", NEMO_PY,
+           '    if fp8_refresh is True or (fp8_refresh == "auto" and has_fp8 and pp > 1):',
+           "    if fp8_refresh is True:",
+           (NF + "test_fp8_recipe_gets_transpose_care_and_serializes",),
+           "an FP8 pipeline-parallel recipe gets no AlignPipelineTransposes"),
+    Mutant("megatron-off-keeps-our-callbacks", "nemo", NEMO_PY,
+           "        if editor.record.pop(key, None) or fallback:",
+           "        if False:",
+           (NF + "test_idempotent_and_undo_restores_exactly", NF + "test_undo_leaves_what_was_there_before_the_flag"),
+           "with_cuda_graph(enabled=False) leaves our callbacks in a Megatron recipe"),
+    Mutant("megatron-mode-accepted", "nemo", NEMO_PY,
+           '    if mode != "auto":\n        raise ValueError(\n            f"mode={mode!r} does not apply',
+           '    if False:\n        raise ValueError(\n            f"mode={mode!r} does not apply',
+           (NF + "test_megatron_recipe_refuses_what_does_not_apply",),
+           "mode='callback' on a MegatronStrategy recipe is accepted (its step is Megatron's schedule)"),
+    Mutant("lightning-strategy-over-callback", "nemo", NEMO_PY,
+           '    if mode == "strategy" and ours_callbacks:',
+           "    if False:",
+           (NF + "test_lightning_tree_callback_mode_builds_trains_and_undoes",),
+           "mode='strategy' on a recipe that already holds CudaGraphCallback captures the step twice"),
+    Mutant("lightning-anomaly-detection-kept", "nemo", NEMO_PY,
+           '    if _get(trainer, "detect_anomaly") is True:',
+           "    if False:",
+           (NF + "test_lightning_tree_callback_mode_builds_trains_and_undoes",),
+           "Trainer(detect_anomaly=True) (a host check of every backward op) stays on under the flag"),
     # -- session 9: the replayed step's host path ------------------------------------------------------------
     Mutant("logged-copy-not-converted", "cpu", COMPAT,
            "    if value.is_floating_point() and value.dtype not in _FULL:\n        return value.to(_default_dtype())",
@@ -873,7 +916,7 @@ def _run_mutant(m: Mutant, base: Path, timeout: float) -> tuple[Mutant, str, Out
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tier", choices=("cpu", "gpu", "all"), default="cpu")
+    ap.add_argument("--tier", choices=("cpu", "gpu", "nemo", "all"), default="cpu")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--only", action="append", default=[], help="NAME[,NAME...] (repeatable)")
     ap.add_argument("--jobs", type=int, default=0, help="parallel mutants (default: CPU cores, 1 for gpu)")

@@ -5,7 +5,7 @@
 #   ci/stages.sh unit          CPU tests (not gpu, not nemo) in .venv          -> build/reports/unit.xml
 #   ci/stages.sh mutants       ci/mutants.py --tier cpu in .venv: planted breaks the tests must catch
 #   ci/stages.sh nemo          NeMo 2.7.3 recipe tests in .venv-nemo, and the  -> build/reports/nemo.xml
-#                              Lightning adapter's tests on its Lightning 2.4.0
+#                              Lightning adapter's tests on its Lightning 2.4.0; then ci/mutants.py --tier nemo
 #   ci/stages.sh gpu           tests/gpu on a CUDA machine                      -> build/reports/gpu.xml
 #   ci/stages.sh convergence   eager vs graphed loss curves of the small recipe -> build/convergence/
 #   ci/stages.sh bench         benchmarks/step_time.py                          -> benchmarks/results/*.json
@@ -114,6 +114,8 @@ PY
     # Lightning 2.4.0, the oldest the Lightning adapter supports, so the adapter's tests (the private shapes it relies
     # on, bit-for-bit parity with eager Lightning) run here on that version too; the unit stage runs the newest.
     NCG_REQUIRE_NEMO=1 run_pytest nemo .venv-nemo/bin/python -m "nemo or lightning_adapter"
+    # Planted breaks of the NeMo flag that only these tests (real NeMo recipes) can catch.
+    NCG_REQUIRE_NEMO=1 .venv-nemo/bin/python ci/mutants.py --tier nemo
 }
 
 stage_gpu() {

@@ -317,6 +317,19 @@ def test_nemo_stage_requires_nemo_and_runs_only_nemo_tests(tmp_path):
     assert out.returncode == 1 and "collected no test for stage 'nemo'" in out.stdout  # exit 5 fails here too
 
 
+@pytest.mark.parametrize("mutants_rc", [0, 3])
+def test_nemo_stage_runs_the_nemo_mutants_after_its_tests_and_fails_with_them(tmp_path, mutants_rc):
+    script = _copy_script(tmp_path)
+    _fake_python(tmp_path / ".venv-nemo" / "bin" / "python",
+                 f'echo "NCG_REQUIRE_NEMO=$NCG_REQUIRE_NEMO $@" >> "{tmp_path}/calls"; '
+                 f'if [ "$1" = ci/mutants.py ]; then exit {mutants_rc}; fi; exit 0\n')
+    out = subprocess.run(["bash", str(script), "nemo"], capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[-1] == "NCG_REQUIRE_NEMO=1 ci/mutants.py --tier nemo"
+    assert any(" -m pytest -m nemo " in c for c in calls[:-1]), "the tests run first"
+    assert (out.returncode == 0) == (mutants_rc == 0), out.stdout + out.stderr
+
+
 def test_gpu_stage_refuses_a_machine_without_cuda(tmp_path):
     script = _copy_script(tmp_path)
     _fake_python(tmp_path / ".venv" / "bin" / "python",

@@ -783,6 +783,11 @@ def test_lightning_tree_callback_mode_builds_trains_and_undoes(run, fdl, caplog)
     assert fdl.get_callable(cb) is CudaGraphCallback and cb.warmup_steps == 2 and cb.nan_check_every == 10
     with_cuda_graph(recipe, warmup_steps=4)  # again: updates the option, no second callback
     assert len(recipe.trainer.callbacks) == 1 and recipe.trainer.callbacks[0].warmup_steps == 4
+    with pytest.raises(ValueError, match="already holds CudaGraphCallback; mode='strategy' would capture the step twice"):
+        with_cuda_graph(recipe, mode="strategy")
+    # refused before any edit: still one callback, the strategy not wrapped
+    assert len(recipe.trainer.callbacks) == 1
+    assert not flag._is_ours(flag._get(recipe.trainer, "strategy"), "CudaGraphStrategy")
     # The built task trains (eagerly on this CPU machine, as the callback says) with our callback in it.
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
