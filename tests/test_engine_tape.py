@@ -164,6 +164,35 @@ def test_registered_generator_advances_each_replay_like_eager():
     assert got == ref
 
 
+def test_verify_steps_with_a_registered_generator_leave_its_numbers_as_an_unverified_run():
+    """The eager half of a verified step draws from the registered generator too; its state is put back before the
+    graph's step, so verified and unverified runs draw the same numbers."""
+    x = torch.ones(32)
+    runs = []
+    for verify in (0, 3):
+        gen = torch.Generator().manual_seed(5)
+        reg = CpuGeneratorRegistry()
+        reg.register(gen)
+        eng = CaptureEngine(CaptureConfig(warmup_steps=1, nan_guard=False, verify_steps=verify), cpu, [],
+                            generators=reg, backend=TapeBackend())
+        runs.append([float(eng.step(x, "k", _noisy_step(gen, x))) for _ in range(7)])
+        assert eng.stats.verified_steps == verify
+    assert runs[0] == runs[1]
+
+
+def test_generator_registry_takes_each_generator_once_and_only_of_its_device():
+    reg, gen = CpuGeneratorRegistry(), torch.Generator().manual_seed(1)
+    reg.register(gen)
+    reg.register(gen)  # a second registration would advance it twice per replay
+    assert len(reg) == 1
+    with pytest.raises(TypeError, match="expects a CPU torch.Generator"):
+        reg.register("not a generator")
+    from nemo_cudagraph_plugin.core.rng import GeneratorRegistry
+
+    with pytest.raises(TypeError, match="expects a CUDA torch.Generator"):
+        GeneratorRegistry().register(torch.Generator())  # a CPU generator for CUDA graphs
+
+
 def test_unregistered_generator_repeats_its_capture_numbers():
     # The hazard the registration exists for (and what the tape must reproduce for the test above to mean anything).
     x = torch.ones(32)

@@ -355,6 +355,15 @@ def test_python_values_logged_in_the_step_are_re_emitted_as_captured():
     assert g.metrics["batch_idx_py"] == 3.0 and e.metrics["batch_idx_py"] == 7.0
 
 
+def test_log_records_of_eager_steps_are_dropped_once_emitted():
+    """Records of an eager step (warm-ups, a new signature) are used once; only a captured step's are kept (its
+    replays re-emit them): a long run with many re-captures does not pile them up."""
+    g = fit(steps=12, lengths=(32, 16))  # two signatures: warm-ups and a new-signature eager step each
+    logs = g.cb.step_runner.logs
+    assert g.cb.stats.captures == 2 and g.cb.stats.eager_steps + g.cb.stats.warmup_steps >= 3
+    assert set(logs._records) == logs._kept, (sorted(logs._records), sorted(logs._kept))
+
+
 @pytest.mark.parametrize("on_step,on_epoch,dtype,shape", [
     (True, False, torch.float32, ()),  # a loss logged in training_step (Lightning's default there)
     (True, False, torch.bfloat16, ()),  # a bf16-true module's loss: converted to the default dtype
