@@ -479,6 +479,48 @@ def test_graphs_that_own_gradients_and_graphs_that_accumulate_replay_in_turn():
     assert_same(g, e)
 
 
+class _LossIdentity(pl.Callback):
+    """Per step Python runs (warm-up, capture): is the loss backward gets the tensor training_step returned?"""
+
+    def __init__(self):
+        self.same, self.returned = [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = pl_module.training_step
+
+        def recording(*a, **kw):
+            self.returned = out = step(*a, **kw)
+            return out
+
+        pl_module.training_step = recording  # this instance, this step only
+        self._undo = lambda: pl_module.__dict__.pop("training_step", None)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.same.append(loss is self.returned)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._undo()
+
+
+@pytest.mark.parametrize("acc", [1, 2])
+def test_the_loss_is_not_divided_by_one_inside_the_step_and_training_equals_eager(acc):
+    """Lightning divides the training_step loss by accumulate_grad_batches, also by 1: a division kernel in the
+    forward and one in the backward of every captured step, which change no bit (x / 1 == x; grad / 1 == grad).
+    At k == 1 the runner's closure hands backward the returned loss itself; at k > 1 it divides as Lightning does.
+    Training stays bitwise eager's."""
+    kw = dict(steps=6 if acc == 1 else 4, accumulate_grad_batches=acc)
+    ident, plain = _LossIdentity(), _LossIdentity()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g, e = fit(callbacks=[ident], **kw), fit(graphed=False, callbacks=[plain], **kw)
+    assert_same(g, e)
+    assert ident.same and plain.same and not any(plain.same), "plain Lightning hands backward the loss divided"
+    assert len(ident.same) < len(plain.same), "every step ran Python: nothing was replayed"
+    assert all(ident.same) if acc == 1 else not any(ident.same), ident.same
+    loop = g.trainer.fit_loop.epoch_loop.automatic_optimization
+    assert "output_result_cls" not in loop.__dict__, "the loop instance keeps the runner's ClosureResult after fit"
+
+
 class _AnnealDropout(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 6:
@@ -767,20 +809,25 @@ def test_nan_guard_names_the_parameter_whose_gradient_went_bad_in_a_replay():
     assert "global step 4 up to 8" in str(info.value)
 
 
-def test_nan_guard_names_the_parameter_when_its_read_comes_long_after_the_bad_step():
-    """One read at fit end, 8 steps after the poisoned one. The next forward after a bad gradient gives a NaN loss and
-    then NaN gradients everywhere; the guard watches the loss and reads the parameters at the first NaN loss, so the
-    read still names the one bad parameter, not the first of every parameter spoiled after it. And the guard reads
-    no gradient in these steps (no per-step check built)."""
+@pytest.mark.parametrize("clip", [None, "norm", "default"])
+def test_nan_guard_names_the_parameter_when_its_read_comes_long_after_the_bad_step(clip):
+    """One read at fit end, 8 steps after the poisoned one; the read names the one bad parameter, not the first of
+    every parameter spoiled after it, and the guard reads no gradient of its own (no per-step check built).
+    No clipping: the next forward after a bad gradient gives a NaN loss and then NaN gradients everywhere; the guard
+    watches the loss and reads the parameters at the first NaN loss. Clipping by norm (given, or Lightning's
+    default): the bad step's NaN clip factor spoils every parameter, so every later step's norms are non-finite; the
+    clipping norms mark only the first step of a read window with a bad norm."""
     name = "model.blocks.0.mlp.fc.weight"
+    kw = {} if clip is None else {"gradient_clip_val": 0.5, "gradient_clip_algorithm": {"default": None}.get(clip, clip)}
     cb = CudaGraphCallback(nan_check_every=50)
     cb.step_runner.backend = TapeBackend()
     with pytest.raises(NonFiniteError) as info:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fit(graphed=False, steps=12, poison_at=3, module_kw={"poison_param": name}, callbacks=[cb])
+            fit(graphed=False, steps=12, poison_at=3, module_kw={"poison_param": name}, callbacks=[cb], **kw)
     assert info.value.parameter == name and " more)" not in str(info.value), str(info.value)
-    assert "non-finite loss and non-finite gradient or update of parameter" in str(info.value), str(info.value)
+    if clip is None:
+        assert "non-finite loss and non-finite gradient or update of parameter" in str(info.value), str(info.value)
     assert cb.stats.replays >= 8 and not cb.step_runner.guard._checks, cb.stats.summary()
 
 
@@ -993,3 +1040,38 @@ def test_step_key_matches_lightnings_own_decision():
 
     fit(graphed=False, steps=2, accumulate_grad_batches=3, callbacks=[Spy()])
     assert seen == [(True, False, 3), (False, False, 3), (False, True, 3)] * 2
+
+
+def test_undivided_closure_result_is_lightnings_own_except_the_division_by_one():
+    """On the installed Lightning (2.6.6 here, 2.4.0 in the nemo stage): _compat's ClosureResult gives Lightning's
+    result for every training_step output (equal values, same extras, same errors), with the loss itself at k == 1
+    (no division) and Lightning's division at k > 1 or for a non-floating loss."""
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    loss = torch.tensor(1.75, dtype=torch.bfloat16, requires_grad=True) * 1
+    outputs = [loss, {"loss": loss, "acc": 3, "t": torch.ones(2)}, None, torch.tensor(3)]
+    for out in outputs:
+        for k in (1, 2, 4):
+            mine = _compat._UndividedClosureResult.from_training_step_output(out, k)
+            theirs = ClosureResult.from_training_step_output(out, k)
+            assert isinstance(mine, ClosureResult) and mine.extra.keys() == theirs.extra.keys()
+            if theirs.closure_loss is None:
+                assert mine.closure_loss is None and mine.loss is None
+                continue
+            assert mine.closure_loss.dtype == theirs.closure_loss.dtype
+            assert torch.equal(mine.closure_loss, theirs.closure_loss) and torch.equal(mine.loss, theirs.loss)
+            src = out["loss"] if isinstance(out, dict) else out
+            undivided = k == 1 and src.is_floating_point()
+            assert (mine.closure_loss is src) == undivided, (out, k)
+    for bad in ({"acc": 1}, "a string"):
+        with pytest.raises(MisconfigurationException) as theirs:
+            ClosureResult.from_training_step_output(bad, 1)
+        with pytest.raises(MisconfigurationException, match=str(theirs.value)[:40]):
+            _compat._UndividedClosureResult.from_training_step_output(bad, 1)
+    # where the loop builds a result class of its own, nothing is changed
+    class Custom(ClosureResult):
+        pass
+
+    loop = type("Loop", (), {"output_result_cls": Custom})()
+    assert _compat.undivided_loss(loop) is None and loop.output_result_cls is Custom

@@ -31,6 +31,14 @@ _THREADS = 256
 
 # The fill kernels: grid-stride loops over ``n`` units of 16, 4 or 1 byte(s). PTX, so no compiler is
 # needed; the driver compiles it for the device once per context. One body, three stores.
+def _grid_stride(index: str, tmp: str, stride: str) -> str:
+    """PTX setting ``index`` to this thread's global index and ``stride`` to the grid's thread count (uses
+    %r2-%r5 and ``tmp``): the start of every grid-stride loop here."""
+    return (f"    mov.u32 %r2, %ctaid.x;\n    mov.u32 %r3, %ntid.x;\n    mov.u32 %r4, %tid.x;\n"
+            f"    mov.u32 %r5, %nctaid.x;\n    mul.wide.u32 {index}, %r2, %r3;\n    cvt.u64.u32 {tmp}, %r4;\n"
+            f"    add.u64 {index}, {index}, {tmp};\n    mul.wide.u32 {stride}, %r5, %r3;")
+
+
 _PTX_HEAD = """
 .version 7.0
 .target sm_70
@@ -46,14 +54,7 @@ _PTX_KERNEL = """
     ld.param.u32 %r1, [val];
     ld.param.u64 %rd2, [n];
     cvta.to.global.u64 %rd1, %rd1;{setup}
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mov.u32 %r5, %nctaid.x;
-    mul.wide.u32 %rd3, %r2, %r3;
-    cvt.u64.u32 %rd4, %r4;
-    add.u64 %rd3, %rd3, %rd4;
-    mul.wide.u32 %rd5, %r5, %r3;
+{grid}
 L{tag}:
     setp.ge.u64 %p, %rd3, %rd2;
     @%p bra D{tag};{address}
@@ -83,14 +84,7 @@ _PTX_COPY = """
     setp.ne.u64 %p2, %rd4, 0;
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mov.u32 %r5, %nctaid.x;
-    mul.wide.u32 %rd5, %r2, %r3;
-    cvt.u64.u32 %rd6, %r4;
-    add.u64 %rd5, %rd5, %rd6;
-    mul.wide.u32 %rd7, %r5, %r3;
+{grid}
     @%p2 bra BYTES;
     shr.u64 %rd8, %rd3, 4;
 VEC:
@@ -117,8 +111,9 @@ DONE:
 }
 """
 _KERNELS = ("ncg_fill_v4", "ncg_fill_u32", "ncg_fill_u8", "ncg_copy")
-_PTX = _PTX_HEAD + _PTX_COPY + "".join(
-    _PTX_KERNEL.format(name=name, tag=tag, regs=regs, setup=setup, address=address, store=store)
+_PTX = _PTX_HEAD + _PTX_COPY.replace("{grid}", _grid_stride("%rd5", "%rd6", "%rd7")) + "".join(
+    _PTX_KERNEL.format(name=name, tag=tag, regs=regs, setup=setup, address=address, store=store,
+                       grid=_grid_stride("%rd3", "%rd4", "%rd5"))
     for name, tag, regs, setup, address, store in (
         ("ncg_fill_v4", 4, "", "", "\n    shl.b64 %rd6, %rd3, 4;\n    add.u64 %rd7, %rd1, %rd6;",
          "st.global.v4.u32 [%rd7], {%r1, %r1, %r1, %r1};"),

@@ -11,9 +11,10 @@ Triton). The accumulators are allocated once, outside every graph.
 **Reusing the clipping norms.** Gradient clipping by norm already reads every gradient and computes one norm per
 gradient, and a norm is finite exactly when its gradient is (an overflow of the sum of squares also counts as
 non-finite). Inside the clipping call :meth:`NanGuard.norm_tap` collects those per-parameter norms and adds one
-mark per non-finite gradient into its slot: three small kernels on a vector of norms instead of a second read of
+mark per non-finite gradient into its slot: four small kernels on a vector of norms instead of a second read of
 every gradient. The norms are taken before the clip factor multiplies the gradients, so a NaN is still attributed
-to its own parameter.
+to its own parameter; and only the first step of a read window with a non-finite norm marks, because that step's
+NaN clip factor spoils every parameter and every later step's norms are non-finite too.
 
 **Watching the loss instead of reading the gradients.** Where nothing mixes the gradients (no clipping, no
 accumulation across processes), a non-finite gradient leaves a non-finite value in its own parameter after the update
@@ -371,6 +372,9 @@ class _NormTap(TorchDispatchMode):
         else:  # parameters without a gradient this step: a zero norm in their slot
             zero = torch.zeros((), dtype=next(iter(norms.values())).dtype, device=guard.device)
             stacked = torch.stack([norms.get(i, zero) for i in range(len(guard.params))])
-        # x - x is 0 for a finite norm and NaN for an infinite or NaN one: the report reads a slot != 0 as bad.
-        guard.grad_bad.add_(stacked.sub(stacked))
+        # x - x is 0 for a finite norm and NaN for an infinite or NaN one: the report reads a slot != 0 as bad. Only
+        # the first step of a read window with a bad norm marks: its NaN clip factor spoils every parameter, so every
+        # later step's norms are non-finite and would name all of them. One kernel more than marking every step.
+        bad = guard.grad_bad
+        torch.where(bad.any(), bad, stacked.sub(stacked), out=bad)
         return True

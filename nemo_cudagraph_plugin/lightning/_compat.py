@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype as _default_dtype
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from packaging.version import Version
@@ -32,6 +33,7 @@ __all__ = [
     "check_lightning_version",
     "automatic_loop",
     "route_step",
+    "undivided_loss",
     "step_key",
     "redirect_log",
     "ProgressDelta",
@@ -83,6 +85,41 @@ def route_step(loop: Any, run: Callable[..., Any]) -> tuple[Callable[..., Any], 
             del loop.run
 
     return original, undo
+
+
+class _UndividedClosureResult(ClosureResult):
+    """Lightning's ``ClosureResult`` except that a floating-point loss is not divided by ``normalize == 1``.
+
+    ``from_training_step_output`` divides the loss by ``accumulate_grad_batches`` also when it is 1: one kernel in the
+    forward and one in the backward (``grad / 1``) of every step, two nodes of every captured graph that change no
+    bit (``x / 1 == x`` in every floating dtype, NaN and -0.0 included). Any other case (k > 1, a non-floating or
+    missing loss, a non-tensor output, and the errors for those) is Lightning's own code.
+    """
+
+    @classmethod
+    def from_training_step_output(cls, training_step_output: Any, normalize: int = 1) -> ClosureResult:
+        if normalize == 1:
+            mapping = isinstance(training_step_output, Mapping)
+            loss = training_step_output.get("loss") if mapping else training_step_output
+            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+                extra = {k: v for k, v in training_step_output.items() if k != "loss"} if mapping else {}
+                return cls(loss, extra=extra)
+        return super().from_training_step_output(training_step_output, normalize)
+
+
+def undivided_loss(loop: Any) -> Optional[Callable[[], None]]:
+    """Make this loop instance's closure skip the loss's division by ``accumulate_grad_batches == 1``
+    (:class:`_UndividedClosureResult`); returns the undo, or ``None`` where the loop builds another result class
+    (a subclass of Lightning's, or a Lightning whose loop has none: nothing is changed there)."""
+    if getattr(loop, "output_result_cls", None) is not ClosureResult:
+        return None
+    loop.output_result_cls = _UndividedClosureResult  # an instance attribute: this trainer's loop only
+
+    def undo() -> None:
+        if loop.__dict__.get("output_result_cls") is _UndividedClosureResult:
+            del loop.output_result_cls
+
+    return undo
 
 
 class StepKey(NamedTuple):

@@ -85,6 +85,7 @@ class LightningStepRunner:
         self._loop: Any = None
         self._orig_run: Optional[Callable] = None
         self._undo_route: Optional[Callable[[], None]] = None
+        self._undo_divide: Optional[Callable[[], None]] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._hooks: list[Any] = []
         self._mutable: list[Callable[[], list[Tensor]]] = []
@@ -208,6 +209,8 @@ class LightningStepRunner:
 
     def _install(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
         self._orig_run, self._undo_route = _compat.route_step(self._loop, self.run)
+        # Lightning divides the loss by accumulate_grad_batches also when it is 1: two kernels per step, no bit changed.
+        self._undo_divide = _compat.undivided_loss(self._loop)
 
         # Steps that accumulate across batches (accumulate_grad_batches > 1, DDP's bucket views) need
         # gradients at fixed addresses: zero them in place. Steps that do not (fresh_grads) keep
@@ -271,6 +274,9 @@ class LightningStepRunner:
         if self._undo_route is not None:
             self._undo_route()
             self._undo_route = None
+        if self._undo_divide is not None:
+            self._undo_divide()
+            self._undo_divide = None
         if self._optimizer is not None:
             self._optimizer.__dict__.pop("zero_grad", None)
         for h in self._hooks:

@@ -335,10 +335,12 @@ class _GradPoisoned(type(make_module())):
     that gradient turns NaN, that step's loss stays finite, and from the next step on the NaN in ``bad`` reaches the
     loss and every gradient. ``fused``: torch's fused AdamW, else its default (foreach) one."""
 
-    def __init__(self, *a, fused=False, **k):
+    def __init__(self, *a, fused=False, unused=False, **k):
         super().__init__(*a, **k)
         self.fused = fused
         self.bad = torch.nn.Parameter(torch.ones(4))
+        # a parameter the loss never uses: no gradient, so clipping computes no norm for its slot
+        self.unused = torch.nn.Parameter(torch.ones(3)) if unused else None
         self.register_buffer("poison", torch.zeros(4))  # set by _PoisonAt: NaN in the poisoned step, else 0
         self.bad.register_hook(lambda g: g * (1 + self.poison))
 
@@ -364,6 +366,25 @@ def test_nan_guard_watching_the_loss_names_parameter_long_after_the_bad_step(fus
     assert "non-finite loss and non-finite gradient or update of parameter 'bad'" in str(ei.value), str(ei.value)
     assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
     print(f"\nNAN GUARD (watched, fused={fused}): {ei.value}")
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["all-grads", "a-param-without-grad"])
+def test_nan_guard_with_clipping_names_parameter_long_after_the_bad_step(unused):
+    """Clipping by norm: the guard marks the non-finite per-parameter norms clipping computes. The poisoned step's
+    NaN clip factor makes every parameter NaN, so every later step's norms are non-finite; the read comes 27 steps
+    later and still names the one bad parameter: only the window's first step with a bad norm marks. With a
+    parameter that gets no gradient, its slot gets a zero norm inside the graph and the norms still cover the step
+    (no gradient read of the guard's own)."""
+    pl.seed_everything(0, verbose=False)
+    from recipes.gpt import get_config
+
+    cb = CudaGraphCallback(nan_check_every=50)
+    with pytest.raises(NonFiniteError) as ei:
+        fit(_GradPoisoned(get_config("tiny", n_layer=2, seq_len=256), fused=True, unused=unused), [cb, _PoisonAt(12)],
+            40, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
+    assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
+    print(f"\nNAN GUARD (clipped, read long after): {ei.value}")
 
 
 def test_nan_guard_watch_names_the_parameter_when_the_loss_goes_bad_first():
