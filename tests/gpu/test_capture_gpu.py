@@ -408,17 +408,28 @@ class _SlowFused(type(make_module())):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
 
-def test_host_far_ahead_with_pinned_batches_copied_on_their_own_stream_equals_eager():
-    """Batches from pinned memory are copied to the GPU on the transfer stream while earlier steps still run, and
-    the host is many steps ahead of the device: every step must still train on its own batch (bitwise eager), with the
-    NaN guard watching the loss (a kernel per step that changes nothing while the loss is finite)."""
-    from recipes.gpt import get_config
-
+def _routed_fit_equals_eager(run, min_replays):
+    """``run(callbacks)`` (a fit) with our callback and eagerly: every batch's transfer was routed to the transfer
+    stream, the steps replayed, and the losses are bitwise eager's."""
     routed = []
 
     class Seen(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             routed.append("batch_to_device" in trainer.strategy.__dict__)
+
+    cb = CudaGraphCallback()
+    _, g = run([cb, Seen()])
+    assert all(routed) and cb.stats.replays >= min_replays, (routed, cb.stats.summary())
+    _, e = run([CapturableEager()])
+    gl, el = g.loss_tensor(), e.loss_tensor()
+    assert torch.isfinite(gl).all() and torch.equal(gl, el), f"max rel diff {max_rel(gl, el):.3e}"
+
+
+def test_host_far_ahead_with_pinned_batches_copied_on_their_own_stream_equals_eager():
+    """Batches from pinned memory are copied to the GPU on the transfer stream while earlier steps still run, and
+    the host is many steps ahead of the device: every step must still train on its own batch (bitwise eager), with the
+    NaN guard watching the loss (a kernel per step that changes nothing while the loss is finite)."""
+    from recipes.gpt import get_config
 
     def run(cbs):
         pl.seed_everything(0, verbose=False)
@@ -426,12 +437,7 @@ def test_host_far_ahead_with_pinned_batches_copied_on_their_own_stream_equals_ea
         pinned = torch.utils.data.DataLoader(loader(30).dataset, batch_size=2, shuffle=False, pin_memory=True)
         return fit(module, cbs, 30, train_loader=pinned)
 
-    cb = CudaGraphCallback()
-    _, g = run([cb, Seen()])
-    assert all(routed) and cb.stats.replays >= 25, (routed, cb.stats.summary())
-    _, e = run([CapturableEager()])
-    gl, el = g.loss_tensor(), e.loss_tensor()
-    assert torch.isfinite(gl).all() and torch.equal(gl, el), f"max rel diff {max_rel(gl, el):.3e}"
+    _routed_fit_equals_eager(run, 25)
 
 
 def test_step_waits_for_its_batch_copied_on_the_transfer_stream():
@@ -445,23 +451,12 @@ def test_step_waits_for_its_batch_copied_on_the_transfer_stream():
     def collate(items):
         return {"bulk": bulk, **default_collate(items)}  # first: copied first
 
-    routed = []
-
-    class Seen(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            routed.append("batch_to_device" in trainer.strategy.__dict__)
-
     def run(cbs):
         pinned = torch.utils.data.DataLoader(loader(20).dataset, batch_size=2, shuffle=False, pin_memory=True,
                                              collate_fn=collate)
         return fit(make_module(), cbs, 20, train_loader=pinned)
 
-    cb = CudaGraphCallback()
-    _, g = run([cb, Seen()])
-    assert all(routed) and cb.stats.replays >= 15, (routed, cb.stats.summary())
-    _, e = run([CapturableEager()])
-    gl, el = g.loss_tensor(), e.loss_tensor()
-    assert torch.isfinite(gl).all() and torch.equal(gl, el), f"max rel diff {max_rel(gl, el):.3e}"
+    _routed_fit_equals_eager(run, 15)
 
 
 def test_nan_guard_skip_mode_keeps_parameters_finite():
