@@ -590,9 +590,12 @@ def test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_t
                     assert _fill_bytes(base, base + offset, plan, size) == _memset_bytes(
                         base, base + offset, value, element_size, width, size), (element_size, offset, width, value)
     assert kernels == {"ncg_fill_v4", "ncg_fill_u32", "ncg_fill_u8"}
-    from nemo_cudagraph_plugin.core._cuda_nodes import _PTX
+    from nemo_cudagraph_plugin.core._cuda_nodes import _KERNELS, _PTX
 
     assert all(f".entry {k}(" in _PTX for k in kernels)  # each plan's kernel is one the module defines
+    # every kernel (fills and the batch/output copy) starts its grid-stride loop from the shared PTX; none is left a
+    # template placeholder (which only the driver would refuse, on a GPU)
+    assert "{grid}" not in _PTX and _PTX.count("mul.wide.u32") == 2 * len(_KERNELS) == 2 * _PTX.count(".entry ")
     assert fill_plan(base, 0, 1, 64, 2) is None  # 2-D memsets stay
     assert fill_plan(base, 0, 8, 4, 1) is None
 

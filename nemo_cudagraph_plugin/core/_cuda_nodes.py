@@ -29,8 +29,6 @@ __all__ = ["FillPlan", "GraphIO", "RewriteResult", "fill_plan", "node_types", "r
 _KERNEL, _MEMSET = 0, 2
 _THREADS = 256
 
-# The fill kernels: grid-stride loops over ``n`` units of 16, 4 or 1 byte(s). PTX, so no compiler is
-# needed; the driver compiles it for the device once per context. One body, three stores.
 def _grid_stride(index: str, tmp: str, stride: str) -> str:
     """PTX setting ``index`` to this thread's global index and ``stride`` to the grid's thread count (uses
     %r2-%r5 and ``tmp``): the start of every grid-stride loop here."""
@@ -39,6 +37,8 @@ def _grid_stride(index: str, tmp: str, stride: str) -> str:
             f"    add.u64 {index}, {index}, {tmp};\n    mul.wide.u32 {stride}, %r5, %r3;")
 
 
+# The fill kernels: grid-stride loops over ``n`` units of 16, 4 or 1 byte(s). PTX, so no compiler is
+# needed; the driver compiles it for the device once per context. One body, three stores.
 _PTX_HEAD = """
 .version 7.0
 .target sm_70
