@@ -127,6 +127,12 @@ def aggregate(runs: list[dict], variant_order: list[str]) -> list[dict]:
                 v["tokens_per_s"] = res["tokens_per_step"] / (ms / 1e3)
         ours, noguard = variants.get(OURS, {}).get("ms_per_step"), variants.get("callback_noguard", {}).get("ms_per_step")
         res["nemo_over_ours"] = nemo / ours if nemo and ours else None
+        # Ours / NeMo within each round (adjacent processes): a slow-host phase that hits one round hits both there.
+        # Information next to the ratio of the medians, which the targets use.
+        by_round = {n: {r["round"]: r["ms_per_step"] for r in prs if r["variant"] == n and r.get("ok")
+                        and r.get("ms_per_step") is not None} for n in (OURS, NEMO)}
+        res["ours_over_nemo_rounds"] = [by_round[OURS][k] / by_round[NEMO][k] for k in sorted(by_round[OURS])
+                                        if k in by_round[NEMO]]
         res["guard_share"] = (ours - noguard) / ours if ours and noguard else None
         if OURS in variants:
             variants[OURS]["guard_share"] = res["guard_share"]
@@ -195,6 +201,10 @@ def markdown(results: list[dict], setup: dict, env: dict, descriptions: dict[str
                   f"- NeMo / ours (`{NEMO}` ms ÷ `{OURS}` ms): {_f(res['nemo_over_ours'], '.3f')}; NaN guard cost "
                   f"(`{OURS}` − `callback_noguard`) / `{OURS}`: {_f(_pct(res['guard_share']), '.2f')} %",
                   f"- eager against eager (across rounds) max |Δloss|: {_f(res['eager_noise'], '.3g', 'one round only')}",
+                  *([f"- ours / NeMo within each round (`{OURS}` ÷ `{NEMO}`, adjacent processes): "
+                     f"{', '.join(f'{x:.3f}' for x in res['ours_over_nemo_rounds'])}; median "
+                     f"{_median(res['ours_over_nemo_rounds']):.3f} (information; the targets use the medians' ratio)"]
+                    if res.get("ours_over_nemo_rounds") else []),
                   ""]
         for name, v in res["variants"].items():
             if name != EAGER and len(v.get("dloss_rounds") or []) > 1:

@@ -596,6 +596,13 @@ def test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_t
     # every kernel (fills and the batch/output copy) starts its grid-stride loop from the shared PTX; none is left a
     # template placeholder (which only the driver would refuse, on a GPU)
     assert "{grid}" not in _PTX and _PTX.count("mul.wide.u32") == 2 * len(_KERNELS) == 2 * _PTX.count(".entry ")
+    # the copy kernel's spans: each has its own parameters, loops and labels, none left a template placeholder
+    from nemo_cudagraph_plugin.core._cuda_nodes import _COPY_SEGMENTS
+
+    assert "{i}" not in _PTX and _COPY_SEGMENTS >= 2
+    for i in range(_COPY_SEGMENTS):
+        assert all(_PTX.count(x) == 1 for x in (f"[dst{i}]", f"[src{i}]", f"[nbytes{i}]", f"VEC{i}:", f"BYTES{i}:",
+                                                 f"DONE{i}:", f".param .u64 nbytes{i}")), i
     assert fill_plan(base, 0, 1, 64, 2) is None  # 2-D memsets stay
     assert fill_plan(base, 0, 8, 4, 1) is None
 

@@ -65,51 +65,61 @@ D{tag}:
     ret;
 }}
 """
-# The batch-in / outputs-out copy of a replayed step (CopyNodes): ``nbytes`` from ``src`` to ``dst``, 16 bytes per
-# thread where both addresses and the size allow (decided per launch: a batch may sit at another alignment than the
-# one captured), else one byte per thread. Grid-stride, so the grid fixed at capture fits any alignment.
-_PTX_COPY = """
-.visible .entry ncg_copy(.param .u64 dst, .param .u64 src, .param .u64 nbytes)
-{
+# The batch-in / outputs-out copy of a replayed step (GraphIO): up to _COPY_SEGMENTS spans, each ``nbytes`` from
+# ``src`` to ``dst``, one after the other in every thread (a node per span would cost the device a kernel and a gap
+# each, ~1.8 µs, and the host a driver call each per replay). Per span, 16 bytes per thread where both addresses and
+# the size allow (decided per launch: a batch may sit at another alignment than the one captured), else one byte per
+# thread. Grid-stride, so the grid fixed at capture fits any alignment; an unused span has nbytes 0 and copies nothing.
+_COPY_SEGMENTS = 8
+_PTX_COPY_HEAD = """
+.visible .entry ncg_copy({params})
+{{
     .reg .pred %p<3>;
     .reg .b16 %rs1;
     .reg .b32 %r<10>;
-    .reg .b64 %rd<14>;
-    ld.param.u64 %rd1, [dst];
-    ld.param.u64 %rd2, [src];
-    ld.param.u64 %rd3, [nbytes];
+    .reg .b64 %rd<15>;
+{grid}
+    mov.u64 %rd14, %rd5;
+"""
+_PTX_COPY_SPAN = """    ld.param.u64 %rd1, [dst{i}];
+    ld.param.u64 %rd2, [src{i}];
+    ld.param.u64 %rd3, [nbytes{i}];
     or.b64 %rd4, %rd1, %rd2;
     or.b64 %rd4, %rd4, %rd3;
     and.b64 %rd4, %rd4, 15;
     setp.ne.u64 %p2, %rd4, 0;
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
-{grid}
-    @%p2 bra BYTES;
+    mov.u64 %rd5, %rd14;
+    @%p2 bra BYTES{i};
     shr.u64 %rd8, %rd3, 4;
-VEC:
+VEC{i}:
     setp.ge.u64 %p1, %rd5, %rd8;
-    @%p1 bra DONE;
+    @%p1 bra DONE{i};
     shl.b64 %rd9, %rd5, 4;
     add.u64 %rd10, %rd2, %rd9;
     add.u64 %rd11, %rd1, %rd9;
     ld.global.v4.u32 {%r6, %r7, %r8, %r9}, [%rd10];
     st.global.v4.u32 [%rd11], {%r6, %r7, %r8, %r9};
     add.u64 %rd5, %rd5, %rd7;
-    bra VEC;
-BYTES:
+    bra VEC{i};
+BYTES{i}:
     setp.ge.u64 %p1, %rd5, %rd3;
-    @%p1 bra DONE;
+    @%p1 bra DONE{i};
     add.u64 %rd12, %rd2, %rd5;
     add.u64 %rd13, %rd1, %rd5;
     ld.global.u8 %rs1, [%rd12];
     st.global.u8 [%rd13], %rs1;
     add.u64 %rd5, %rd5, %rd7;
-    bra BYTES;
-DONE:
-    ret;
-}
+    bra BYTES{i};
+DONE{i}:
 """
+_PTX_COPY = (
+    _PTX_COPY_HEAD.format(params=", ".join(f".param .u64 {a}{i}" for i in range(_COPY_SEGMENTS)
+                                           for a in ("dst", "src", "nbytes")), grid="{grid}")
+    + "".join(_PTX_COPY_SPAN.replace("{i}", str(i)) for i in range(_COPY_SEGMENTS))
+    + "    ret;\n}\n"
+)
 _KERNELS = ("ncg_fill_v4", "ncg_fill_u32", "ncg_fill_u8", "ncg_copy")
 _PTX = _PTX_HEAD + _PTX_COPY.replace("{grid}", _grid_stride("%rd5", "%rd6", "%rd7")) + "".join(
     _PTX_KERNEL.format(name=name, tag=tag, regs=regs, setup=setup, address=address, store=store,
@@ -358,17 +368,18 @@ def rewrite_memsets(graph: int, sm_count: int) -> RewriteResult:
 
 
 class GraphIO:
-    """Copy kernel nodes at the edges of a graph, whose far address is set before each launch.
+    """Copy kernel nodes at the edges of a graph, whose far addresses are set before each launch.
 
-    ``inputs``: ``(buffer address, bytes)`` of each input buffer the graph reads. One node per buffer, before every
-    root node of the graph, copies into it from the address given by :meth:`bind` (the batch where it landed).
-    ``outputs``: ``(buffer address, bytes)`` of each output the graph writes. One node per output, after every sink
-    node, copies it to the address given by :meth:`bind` (fresh memory of this step). A replay then needs no copy
-    launch of its own before or after the graph: on an H200 each such launch costs the device 2.5-3.5 µs between
-    two replays (``benchmarks/step_boundary.py``) and the host one torch operation.
+    ``inputs``: ``(buffer address, bytes)`` of each input buffer the graph reads. One node, before every root node of
+    the graph, copies into each of them from the address given by :meth:`bind` (the batch where it landed).
+    ``outputs``: ``(buffer address, bytes)`` of each output the graph writes. One node, after every sink node, copies
+    each of them to the address given by :meth:`bind` (fresh memory of this step). A node copies up to
+    ``_COPY_SEGMENTS`` buffers; more take a node per that many. A replay then needs no copy launch of its own before
+    or after the graph: on an H200 each such launch costs the device 2.5-3.5 µs between two replays
+    (``benchmarks/step_boundary.py``) and the host one torch operation.
 
     The graph must not be instantiated yet; call :meth:`instantiated` with its executable graph after, and
-    :meth:`bind` before every launch (until bound, each node copies its buffer onto itself). A launch that is
+    :meth:`bind` before every launch (until bound, each node copies its buffers onto themselves). A launch that is
     already queued keeps the addresses it was launched with (``cuGraphExecKernelNodeSetParams``).
     """
 
@@ -378,19 +389,27 @@ class GraphIO:
             raise RuntimeError(f"graph I/O nodes unavailable: {_driver_error}")
         self._drv = drv
         roots, sinks = drv.roots(graph), drv.sinks(graph)
-        self._in = [self._node(graph, addr, n, sm_count, [], roots, far_is_src=True) for addr, n in inputs]
-        self._out = [self._node(graph, addr, n, sm_count, sinks, [], far_is_src=False) for addr, n in outputs]
+        k = _COPY_SEGMENTS
+        self._in = [self._node(graph, inputs[i:i + k], sm_count, [], roots, far_is_src=True)
+                    for i in range(0, len(inputs), k)]
+        self._out = [self._node(graph, outputs[i:i + k], sm_count, sinks, [], far_is_src=False)
+                     for i in range(0, len(outputs), k)]
         self._exec: Optional[ctypes.c_void_p] = None
         self._set = drv.fn["cuGraphExecKernelNodeSetParams_v2"]
 
-    def _node(self, graph: int, addr: int, nbytes: int, sm_count: int, deps: list[int], before: list[int],
+    def _node(self, graph: int, spans: list[tuple[int, int]], sm_count: int, deps: list[int], before: list[int],
               far_is_src: bool) -> tuple:
-        dst, src, n = ctypes.c_uint64(addr), ctypes.c_uint64(addr), ctypes.c_uint64(nbytes)
-        grid = max(1, min(-(-nbytes // (16 * _THREADS)), 4 * sm_count))
-        kp = self._drv.kernel_params("ncg_copy", (dst, src, n), grid)
+        args: list[ctypes.c_uint64] = []
+        far = []  # the argument bind() sets, per span
+        for addr, nbytes in spans + [(0, 0)] * (_COPY_SEGMENTS - len(spans)):  # unused spans copy 0 bytes
+            dst, src = ctypes.c_uint64(addr), ctypes.c_uint64(addr)
+            args += (dst, src, ctypes.c_uint64(nbytes))
+            far.append(src if far_is_src else dst)
+        grid = max(1, min(-(-max(n for _, n in spans) // (16 * _THREADS)), 4 * sm_count))
+        kp = self._drv.kernel_params("ncg_copy", tuple(args), grid)
         node = self._drv.add_kernel(graph, kp, deps, before)
-        # (the argument bind() sets, the node, the params passed by reference): built once, used per launch
-        return (src if far_is_src else dst, ctypes.c_void_p(node), ctypes.byref(kp), kp)
+        # (the arguments bind() sets, the node, the params passed by reference): built once, used per launch
+        return (far[: len(spans)], ctypes.c_void_p(node), ctypes.byref(kp), kp)
 
     def instantiated(self, graph_exec: int) -> None:
         """The executable graph made from this graph (its nodes are updated there)."""
@@ -398,19 +417,16 @@ class GraphIO:
 
     def bind(self, srcs: list[Any], dsts: list[Any]) -> None:
         """The next launch copies the batch in from the tensors ``srcs`` (one per input, laid out as its buffer)
-        and the outputs out into the tensors ``dsts`` (one per output). A few driver calls; no device work, no
+        and the outputs out into the tensors ``dsts`` (one per output). A driver call per node; no device work, no
         sync. The tensors must stay allocated until that launch has run (stream order on the launch's stream)."""
         set_params, ex = self._set, self._exec
-        for (arg, node, ref, _), t in zip(self._in, srcs):
-            arg.value = t.data_ptr()
-            rc = set_params(ex, node, ref)
-            if rc:
-                self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
-        for (arg, node, ref, _), t in zip(self._out, dsts):
-            arg.value = t.data_ptr()
-            rc = set_params(ex, node, ref)
-            if rc:
-                self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
+        for nodes, tensors in ((self._in, iter(srcs)), (self._out, iter(dsts))):
+            for far, node, ref, _ in nodes:
+                for arg, t in zip(far, tensors):  # far first: zip stops there without taking the next node's tensor
+                    arg.value = t.data_ptr()
+                rc = set_params(ex, node, ref)
+                if rc:
+                    self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
 
 
 def node_types(graph: int) -> dict[str, int]:

@@ -59,24 +59,21 @@ def capturing(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> Any:
+def _chunk_counter() -> Any:
     import triton
     import triton.language as tl
 
-    # Not specialised on the tensor count: a capture must never meet a new variant of the kernel (compiling
-    # and loading a module while a graph captures); the eager warm-up compiled the one the run uses.
-    @triton.jit(do_not_specialize=["n_tensors"])
-    def count_nonfinite_kernel(
-        table, n_tensors, acc, step_acc, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr, HAS_STEP: tl.constexpr,
-    ):
-        # table (int64): n_tensors addresses, numels, first programs, accumulator slots; then each program's tensor.
-        pid = tl.program_id(0)
-        t = tl.load(table + 4 * n_tensors + pid)
+    @triton.jit
+    def count_chunk(table, n_tensors, c, acc, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """Count the non-finite elements of chunk ``c`` (BLOCK * ITERS elements of one tensor) into that tensor's
+        slot of ``acc``; return the count (float32). Inlined into both kernels: one body for the chunk walk."""
+        # table (int64): n_tensors addresses, numels, first chunks, accumulator slots; then each chunk's tensor.
+        t = tl.load(table + 4 * n_tensors + c)
         numel = tl.load(table + n_tensors + t)
         # The address as a pointer to this group's dtype; 16-byte aligned (FiniteCheck admits only such
         # tensors), which with a whole chunk in range lets the loads below be 16-byte vector loads.
         base = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
-        start = (pid - tl.load(table + 2 * n_tensors + t)) * (BLOCK * ITERS)  # int64: tensors may exceed 2**31
+        start = (c - tl.load(table + 2 * n_tensors + t)) * (BLOCK * ITERS)  # int64: tensors may exceed 2**31
         bad = tl.zeros([BLOCK], dtype=tl.int32)
         if start + BLOCK * ITERS <= numel:  # a whole chunk: no mask (a mask of unknown alignment splits vectors)
             for i in tl.static_range(ITERS):
@@ -89,8 +86,26 @@ def _kernel() -> Any:
                 x = tl.load(base + offs, mask=offs < numel, other=0.0).to(tl.float32)
                 bad += ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
         n_bad = tl.sum(bad, axis=0).to(tl.float32)
-        slot = tl.load(table + 3 * n_tensors + t)
-        tl.atomic_add(acc + slot, n_bad, mask=n_bad > 0)
+        tl.atomic_add(acc + tl.load(table + 3 * n_tensors + t), n_bad, mask=n_bad > 0)  # finite: no atomic
+        return n_bad
+
+    return count_chunk
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    count_chunk = _chunk_counter()  # a closure variable of the kernel: Triton inlines it
+
+    # Not specialised on the tensor count: a capture must never meet a new variant of the kernel (compiling
+    # and loading a module while a graph captures); the eager warm-up compiled the one the run uses.
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def count_nonfinite_kernel(
+        table, n_tensors, acc, step_acc, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr, HAS_STEP: tl.constexpr,
+    ):
+        n_bad = count_chunk(table, n_tensors, tl.program_id(0), acc, ref, BLOCK, ITERS)  # one chunk per program
         if HAS_STEP:
             tl.atomic_add(step_acc, n_bad, mask=n_bad > 0)
 
@@ -101,6 +116,8 @@ def _kernel() -> Any:
 def _watch_kernel() -> Any:
     import triton
     import triton.language as tl
+
+    count_chunk = _chunk_counter()
 
     @triton.jit(do_not_specialize=["n_tensors", "n_chunks"])
     def watch_nonfinite_kernel(
@@ -123,19 +140,7 @@ def _watch_kernel() -> Any:
         if (loss_bad & (stage == 2.0)) | (stage == 1.0):
             found = 0.0
             for c in range(pid, n_chunks, n_prog):
-                t = tl.load(table + 4 * n_tensors + c)
-                numel = tl.load(table + n_tensors + t)
-                base = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
-                start = (c - tl.load(table + 2 * n_tensors + t)) * (BLOCK * ITERS)
-                bad = tl.zeros([BLOCK], dtype=tl.int32)
-                for i in tl.static_range(ITERS):
-                    offs = start + i * BLOCK + tl.arange(0, BLOCK)
-                    v = tl.load(base + offs, mask=offs < numel, other=0.0).to(tl.float32)
-                    bad += ((v.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
-                n_bad = tl.sum(bad, axis=0).to(tl.float32)
-                slot = tl.load(table + 3 * n_tensors + t)
-                tl.atomic_add(acc + slot, n_bad, mask=n_bad > 0)
-                found += n_bad
+                found += count_chunk(table, n_tensors, c, acc, ref, BLOCK, ITERS)
             tl.atomic_add(state + 2, found, mask=found > 0)
             if tl.atomic_add(state + 1, 1.0) == n_prog - 1:
                 total = tl.atomic_add(state + 2, 0.0)

@@ -147,6 +147,45 @@ def test_graph_io_nodes_copy_the_bound_batch_in_and_outputs_out_at_any_alignment
         assert (dst_buf[:dst_off] == 0xEE).all() and (dst_buf[dst_off + n:] == 0xEE).all()
 
 
+def test_graph_io_copies_many_buffers_of_any_size_and_alignment_with_a_node_per_eight():
+    """More inputs and outputs than one copy node takes (``_COPY_SEGMENTS``): one node per that many on each side;
+    every buffer is copied whole, at its own size and alignment, and nothing around a bound output is touched."""
+    k = _cuda_nodes._COPY_SEGMENTS
+    sizes = [1, 4096, 37, 16, (1 << 20) + 3, 0, 48, 5, 100, 4099][: k + 2]  # k + 2 inputs and outputs
+    ins = [torch.zeros(n, dtype=torch.uint8, device=DEV) for n in sizes]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        [x + 1 for x in ins]
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        outs = [x + 1 for x in ins]
+    raw = g.raw_cuda_graph()
+    before = _cuda_nodes.node_types(raw)["kernel"]
+    io = _cuda_nodes.GraphIO(raw, [(x.data_ptr(), x.numel()) for x in ins], [(y.data_ptr(), y.numel()) for y in outs],
+                             132)
+    assert _cuda_nodes.node_types(raw)["kernel"] == before + 2 * 2  # k + 2 buffers: two nodes a side
+    g.instantiate()
+    io.instantiated(g.raw_cuda_graph_exec())
+    for step in range(3):
+        srcs, dsts, bufs = [], [], []
+        for i, n in enumerate(sizes):
+            so, do = (i + step) % 5, (3 * i + step) % 7
+            sb = torch.randint(0, 250, (n + 16,), dtype=torch.uint8, device=DEV)
+            db = torch.full((n + 16,), 0xEE, dtype=torch.uint8, device=DEV)
+            srcs.append(sb[so:so + n])
+            dsts.append(db[do:do + n])
+            bufs.append((db, do, n))
+        io.bind(srcs, dsts)
+        g.replay()
+        torch.cuda.synchronize()
+        for i, (src, dst, (db, do, n)) in enumerate(zip(srcs, dsts, bufs)):
+            assert torch.equal(ins[i], src), f"step {step}: input {i} ({n} bytes) was not copied in"
+            assert torch.equal(dst, src + 1), f"step {step}: output {i} ({n} bytes) was not copied out"
+            assert (db[:do] == 0xEE).all() and (db[do + n:] == 0xEE).all(), f"step {step}: around output {i}"
+
+
 def test_graph_io_a_queued_replay_keeps_the_addresses_it_was_launched_with():
     """bind() for the next step while this step's replay still waits in the queue (behind a 50 ms sleep kernel):
     the queued replay reads and writes what was bound for it."""
