@@ -554,6 +554,26 @@ def test_module_state_watch_names_what_changed_and_ignores_what_no_graph_read():
     assert watch.changed() == "1.new_flag changed from True to '<deleted>' after the graph was captured"
 
 
+def test_module_state_watch_takes_a_compiled_submodule_and_names_it_as_the_user_does():
+    """``torch.compile(module)`` wraps it in an ``OptimizedModule`` with no plain value of its own (``training``
+    is a property there): the watch skips it, watches the wrapped module, and names it without ``_orig_mod``."""
+    from nemo_cudagraph_plugin.core.module_state import ModuleStateWatch
+
+    body = torch.nn.Module()
+    body.proj, body.drop = torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)
+    root = torch.nn.Module()
+    root.body = torch.compile(body, backend="eager")
+    watch = ModuleStateWatch(root)
+    assert watch.changed() is None
+    root.body.drop.p = 0.5  # the wrapper forwards attribute reads to the module it wraps
+    assert watch.changed() == "body.drop.p changed from 0.1 to 0.5 after the graph was captured"
+    root.body.eval()
+    assert watch.changed().startswith("body.training changed from True to False")
+    root.body.proj.weight.requires_grad_(False)
+    assert watch.changed().startswith("body.proj.weight.requires_grad changed from True to False")
+    assert [n for n, _ in watch.trainable] == ["body.proj.bias"]
+
+
 def _memset_bytes(base: int, dst: int, value: int, element_size: int, width: int, size: int) -> bytes:
     out = bytearray(b"\x11" * size)
     out[dst - base:dst - base + width * element_size] = (value & ((1 << 8 * element_size) - 1)).to_bytes(

@@ -49,7 +49,8 @@ class TinyGPT(GPTLightningModule):
     """recipes.gpt's module with a fused AdamW, an optional step-interval LR scheduler and hazards to switch on."""
 
     def __init__(self, sched=None, late_param=False, extra_for_long=0, poison_param=None, python_logs=False,
-                 baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False, poison_inf=False):
+                 baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False, poison_inf=False,
+                 compile_backend=None):
         super().__init__(CFG.replace(dropout=dropout), lr=LR)
         self.sched = sched
         # a parameter that first gets a gradient at batch 2 (the last warm-up step), and one that never gets one:
@@ -66,6 +67,11 @@ class TinyGPT(GPTLightningModule):
         self.lr_in_optimizer_step = lr_in_optimizer_step
         self.trainable_only = trainable_only  # the optimizer gets the parameters that require a gradient only
         self.calls = 0
+        self.compile_backend = compile_backend  # torch.compile's backend for the GPT body, set in configure_model
+
+    def configure_model(self):
+        if self.compile_backend is not None and not hasattr(self.model, "_orig_mod"):
+            self.model = torch.compile(self.model, backend=self.compile_backend)
 
     def on_fit_start(self):
         if self.poison_param is not None:
@@ -242,6 +248,16 @@ def test_graphed_fit_equals_eager_lightning_bitwise(acc, steps):
     # a loss (and a logged value) kept by the user is this step's, not overwritten by later replays
     assert [float(t) for t in g.rec.kept] == g.rec.losses
     assert [float(t) for t in g.rec.logged_t] == g.rec.logged
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compiled_submodule_is_graphed_and_equals_eager(backend):
+    """``self.model = torch.compile(self.model)`` in ``configure_model``: the compiled body runs inside the
+    captured step (its ``OptimizedModule`` wrapper has no plain value of its own to watch) and trains as eager."""
+    g, e = graphed_and_eager(module_kw={"compile_backend": backend}, steps=8)
+    assert g.stats.replays == 4  # 3 warm-up steps, the capture, 4 replays
+    assert_same(g, e)
+
 
 
 def test_lr_scheduler_changes_the_lr_every_replayed_step_reads():

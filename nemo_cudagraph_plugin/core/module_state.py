@@ -53,6 +53,12 @@ def _watched_keys(module: nn.Module) -> list[str]:
     return [k for k, v in module.__dict__.items() if (k == "training" or k[0] != "_") and isinstance(v, _PLAIN)]
 
 
+def _user_name(name: str) -> str:
+    """``body._orig_mod.0`` -> ``body.0``: ``torch.compile``'s wrapper forwards attributes to the module it wraps,
+    so the user reaches the wrapped module's values without naming ``_orig_mod``."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
+
+
 class ModuleStateWatch:
     """Watches the plain Python values of ``module`` and its submodules, and ``requires_grad``.
 
@@ -66,14 +72,17 @@ class ModuleStateWatch:
 
     def rebuild(self) -> None:
         """Walk the module tree again (new submodules, new attributes) and record the values now."""
-        mods = [(n, m) for n, m in self.module.named_modules() if type(m) not in _STATELESS]
-        self._names = [n for n, _ in mods]
-        self._keys = [_watched_keys(m) for _, m in mods]
-        self._dicts = [m.__dict__ for _, m in mods]
+        # A module with no plain value of its own (``torch.compile``'s ``OptimizedModule``, whose ``training`` is a
+        # property reading the wrapped module's) has nothing to watch: the module it wraps is watched instead.
+        mods = [(n, m, keys) for n, m in self.module.named_modules()
+                if type(m) not in _STATELESS and (keys := _watched_keys(m))]
+        self._names = [_user_name(n) for n, _, _ in mods]
+        self._keys = [keys for _, _, keys in mods]
+        self._dicts = [m.__dict__ for _, m, _ in mods]
         # itemgetter of one key returns the value, of several a tuple: either way one C call per module.
         self._getters = [itemgetter(*keys) for keys in self._keys]
         named = list(self.module.named_parameters())
-        self._pnames = [n for n, _ in named]
+        self._pnames = [_user_name(n) for n, _ in named]
         self._params = [p for _, p in named]
         self._values, self._grads = self._read()
 
