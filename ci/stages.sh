@@ -59,14 +59,15 @@ run_pytest() {
 
 # unit_venv: sets PY to .venv's python, set up by ci/setup-venv.sh (the same script README's first command
 # runs): torch 2.13.0 first (the CPU build on a machine without a GPU; a torch already in .venv is kept), then
-# the package with its test and plot extras (matplotlib, so the PNG tests run instead of skipping).
+# the package with its test, plot and zoo extras (matplotlib and transformers, so the PNG and Hugging Face tests run
+# instead of skipping).
 unit_venv() {
     if [ "${NO_VENV:-0}" = 1 ] && [ "$STAGE" != unit ] && [ "$STAGE" != mutants ]; then
         PY="$(command -v "$PYTHON")"
         say "NO_VENV=1: using $PY as it is ($("$PY" --version 2>&1)); installing nothing"
         return 0
     fi
-    PYTHON="$PYTHON" TORCH_SPEC="$TORCH_PIN" bash ci/setup-venv.sh .venv "test,plot"
+    PYTHON="$PYTHON" TORCH_SPEC="$TORCH_PIN" bash ci/setup-venv.sh .venv "test,plot,zoo"
     PY=.venv/bin/python
 }
 
@@ -84,7 +85,8 @@ stage_lint() {
 stage_unit() {
     unit_venv
     # NCG_REQUIRE_PLOT=1: the PNG tests fail instead of skipping if matplotlib did not install.
-    NCG_REQUIRE_PLOT=1 run_pytest unit "$PY" -m "not gpu and not nemo"
+    # NCG_REQUIRE_ZOO=1: the Hugging Face tests fail instead of skipping if transformers did not install.
+    NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 run_pytest unit "$PY" -m "not gpu and not nemo"
 }
 
 # Planted breaks (mutants) of the product code, each of which the CPU tests must catch; ci/mutants.py exits

@@ -256,16 +256,16 @@ def test_unit_stage_treats_pytest_exit_5_as_failure(tmp_path, pytest_rc, stage_r
     script = _copy_script(tmp_path)
     # A venv whose python installs nothing and whose pytest exits with pytest_rc, recording its arguments.
     _fake_python(tmp_path / ".venv" / "bin" / "python",
-                 f'if [ "$2" = pytest ]; then echo "NCG_REQUIRE_PLOT=$NCG_REQUIRE_PLOT $@" > "{tmp_path}/pytest.args"; '
+                 f'if [ "$2" = pytest ]; then echo "NCG_REQUIRE_PLOT=$NCG_REQUIRE_PLOT NCG_REQUIRE_ZOO=$NCG_REQUIRE_ZOO $@" > "{tmp_path}/pytest.args"; '
                  f'exit {pytest_rc}; fi\necho "$@" >> "{tmp_path}/calls"; exit 0\n')
     out = subprocess.run(["bash", str(script), "unit"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHON": "false"})
     assert out.returncode == stage_rc, out.stdout + out.stderr
     args = (tmp_path / "pytest.args").read_text()
     assert "-m pytest -m not gpu and not nemo" in args and f"--junitxml={tmp_path}/build/reports/unit.xml" in args
-    # the plot extra is installed and the PNG tests are told not to skip
-    assert args.startswith("NCG_REQUIRE_PLOT=1 ")
-    assert "-m pip install --quiet -e .[test,plot]" in (tmp_path / "calls").read_text().splitlines()
+    # the plot and zoo extras are installed and the PNG and Hugging Face tests are told not to skip
+    assert args.startswith("NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 ")
+    assert "-m pip install --quiet -e .[test,plot,zoo]" in (tmp_path / "calls").read_text().splitlines()
     if pytest_rc == 5:
         assert "collected no test for stage 'unit' (exit 5)" in out.stdout
     if stage_rc:
@@ -284,7 +284,7 @@ def test_mutants_stage_runs_ci_mutants_cpu_tier_in_the_unit_venv(tmp_path, mutan
     out = subprocess.run(["bash", str(script), "mutants"], capture_output=True, text=True, timeout=60)
     assert out.returncode == mutants_rc, out.stdout + out.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert "-m pip install --quiet -e .[test,plot]" in calls  # the unit stage's environment
+    assert "-m pip install --quiet -e .[test,plot,zoo]" in calls  # the unit stage's environment
     assert calls[-1] == "ci/mutants.py --tier cpu"
 
 

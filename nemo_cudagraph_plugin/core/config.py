@@ -71,6 +71,11 @@ class CaptureConfig:
             per step on an H200 (the GPU idles between launches) and one torch operation less on the host each. For
             contiguous batch tensors and outputs on the GPU; same requirements as ``memsets_as_kernels``; elsewhere
             the copies are launches around the replay. ``False``: always launches.
+        hf_attention: ``"graph_safe"``: Hugging Face models in the module whose attention is ``"sdpa"`` are switched,
+            before the first step, to the same SDPA attention with a mask builder that does not read the
+            ``attention_mask`` on the host (HF asks the host whether a batch pads anything, which no graph can
+            capture): padded batches then train as graphs, exactly as with ``"sdpa"``
+            (:mod:`nemo_cudagraph_plugin.hf`). Applied only when the step is graphed. ``"as_is"``: leave them.
     """
 
     enabled: bool = True
@@ -88,6 +93,7 @@ class CaptureConfig:
     align_pp_transposes: bool = False
     memsets_as_kernels: bool = True
     io_in_graph: bool = True
+    hf_attention: Literal["graph_safe", "as_is"] = "graph_safe"
 
     def __post_init__(self) -> None:
         _check(self, "CaptureConfig")
@@ -151,6 +157,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "align_pp_transposes": (lambda v: isinstance(v, bool), "use True or False"),
     "memsets_as_kernels": (lambda v: isinstance(v, bool), "use True or False"),
     "io_in_graph": (lambda v: isinstance(v, bool), "use True or False"),
+    "hf_attention": (lambda v: v in ("graph_safe", "as_is"), "use 'graph_safe' or 'as_is'"),
 }
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "NonFiniteError",
     "ParityError",
     "CAPTURE_RULES",
+    "KNOWN_LIBRARY_SITES",
     "classify_capture_error",
     "locate_frames",
     "user_location",
@@ -83,6 +84,22 @@ CAPTURE_RULES: dict[str, tuple[str, str]] = {
     ),
 }
 
+
+# Host reads inside installed model libraries that users meet: (path suffix, what the library does there, what to
+# change). The message names the library's line next to the user's one, and says this instead of a generic fix.
+KNOWN_LIBRARY_SITES: tuple[tuple[str, str, str], ...] = (
+    ("transformers/masking_utils.py",
+     "Hugging Face asks the host whether the attention_mask pads anything (to use SDPA's is_causal)",
+     "keep hf_attention='graph_safe' (the default of CudaGraphCallback and CudaGraphStrategy), or call "
+     "nemo_cudagraph_plugin.hf.graph_safe_attention(model) before training when you capture by other means"),
+    ("transformers/cache_utils.py",
+     "the model builds a KV cache (use_cache=True) inside the training step",
+     "pass use_cache=False to the model in training_step, or set model.config.use_cache = False for training"),
+    ("transformers/models/mixtral/modeling_mixtral.py",
+     "Mixtral's MoE routing gathers each expert's tokens, a number that depends on the data",
+     "a whole-step graph cannot hold data-dependent shapes: use a mixture-of-experts layer with a fixed token "
+     "capacity per expert"),
+)
 
 _SYNC_MARKERS = (
     "synchronizing cuda operation",
@@ -206,10 +223,30 @@ def user_location(tb: Optional[TracebackType]) -> Optional[str]:
     return f"{frame.filename}:{frame.lineno}" + (" (library code)" if library else "")
 
 
+def _library_site(tb: Optional[TracebackType]) -> Optional[traceback.FrameSummary]:
+    """The innermost frame in installed library code (``site-packages``; not torch, not this package)."""
+    if tb is None:
+        return None
+    framework = _framework_dirs()
+    for frame in reversed(traceback.extract_tb(tb)):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(framework) and ("site-packages" in path or "dist-packages" in path):
+            return frame
+    return None
+
+
 def capture_error_from(exc: BaseException, what: str) -> CaptureError:
     """Build the one user-facing :class:`CaptureError` for an exception raised during ``what``."""
     rule = classify_capture_error(exc)
     did, fix = CAPTURE_RULES[rule]
+    site = _library_site(exc.__traceback__)
+    inside = ""
+    if site is not None:
+        path = site.filename.replace(os.sep, "/")
+        known = next(((d, f) for suffix, d, f in KNOWN_LIBRARY_SITES if path.endswith(suffix)), None)
+        if known is not None:
+            did, fix = known
+        inside = f"\n  Inside: {site.filename}:{site.lineno} (`{(site.line or '').strip()}`)"
     where = user_location(exc.__traceback__)
     head = f"{where}: " if where else ""
     if where is not None and where.endswith(" (library code)"):
@@ -217,7 +254,7 @@ def capture_error_from(exc: BaseException, what: str) -> CaptureError:
         head = (f"{where}: in installed library code (not your file; the model or module you use does this, "
                 "so the fix is in how it is configured or a different implementation): ")
     msg = (
-        f"{head}cannot capture the training step into a CUDA graph ({what}): {did}.\n"
+        f"{head}cannot capture the training step into a CUDA graph ({what}): {did}.{inside}\n"
         f"  Fix: {fix}.\n"
         f"  Or pass on_capture_error='eager' to train this model without graphs.\n"
         f"  Original error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

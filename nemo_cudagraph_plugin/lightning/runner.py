@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from ..core.backend import GraphBackend
@@ -34,6 +35,7 @@ from ..core.module_state import ModuleStateWatch
 from ..core.nan_guard import NanGuard
 from ..core.optim import OptimizerPrep, ParamGroupWatch, portable_optimizer_state
 from ..core.rng import GeneratorRegistry
+from ..hf import SDPA_GRAPH_SAFE, graph_safe_attention
 from . import _compat
 from .checks import Refusal, check_single_owner, device_refusal, optimizer_refusal, setup_refusal
 from .logs import StepLogs
@@ -159,6 +161,9 @@ class LightningStepRunner:
         if why is not None:
             self._refuse(why)
             return
+        if self.config.hf_attention == "graph_safe" and (switched := graph_safe_attention(pl_module)):
+            rank_zero_info(f"{self.owner}: Hugging Face attention {SDPA_GRAPH_SAFE!r} (SDPA without a host read of "
+                           f"the attention mask) for {', '.join(n or type(pl_module).__name__ for n in switched)}")
         optimizer = trainer.optimizers[0]
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}
