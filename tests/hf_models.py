@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import pytest
