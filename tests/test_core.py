@@ -11,6 +11,7 @@ import torch
 
 from nemo_cudagraph_plugin.core import (
     CaptureConfig,
+    CaptureStats,
     CaptureEngine,
     GraphCache,
     NanGuard,
@@ -646,3 +647,11 @@ def test_memsets_as_kernels_is_an_option_and_graphs_keep_their_memsets_without_t
         assert "libcuda" in CudaBackend().memsets_kept
         with pytest.raises(RuntimeError, match="memset rewrite unavailable"):
             _cuda_nodes.rewrite_memsets(0, 1)
+
+
+def test_stats_report_peak_memory_of_graphs_over_the_eager_warm_up():
+    stats = CaptureStats(replays=10, captures=1, graphs=1)
+    assert stats.peak_over_eager is None and "peak memory" not in stats.summary()
+    stats.peak_eager_bytes, stats.peak_bytes = 2 * 2**30, 3 * 2**30
+    assert stats.peak_over_eager == 1.5
+    assert stats.summary().endswith("; peak memory 3.00 GiB, 1.500x the eager warm-up's 2.00 GiB")

@@ -217,6 +217,16 @@ class CaptureStats:
     memsets_as_kernels: int = 0
     #: captured graphs that copy the batch in and their outputs out themselves (``io_in_graph``)
     io_in_graph: int = 0
+    #: the device's peak allocated memory (``torch.cuda.max_memory_allocated``) just before the first capture: what
+    #: the model, its optimizer state and the eager warm-up steps needed (0 on CPU)
+    peak_eager_bytes: int = 0
+    #: the device's peak allocated memory at the end of fit: the graphs, their memory pool and static buffers added
+    peak_bytes: int = 0
+
+    @property
+    def peak_over_eager(self) -> Optional[float]:
+        """Peak memory of the graphed run over that of its eager warm-up steps (``None`` when nothing was captured)."""
+        return self.peak_bytes / self.peak_eager_bytes if self.peak_eager_bytes and self.peak_bytes else None
 
     def count_eager(self, reason: str) -> None:
         self.eager_steps += 1
@@ -231,4 +241,6 @@ class CaptureStats:
             f"{self.replays} graphed steps, {self.warmup_steps} warm-up steps, {self.eager_steps} other eager steps"
             f" ({reasons}); {self.captures} captures ({self.recaptures} re-captures) in {self.capture_time_s:.3f} s;"
             f" {self.graphs} graphs live"
+            + (f"; peak memory {self.peak_bytes / 2**30:.2f} GiB, {self.peak_over_eager:.3f}x the eager warm-up's"
+               f" {self.peak_eager_bytes / 2**30:.2f} GiB" if self.peak_over_eager is not None else "")
         )

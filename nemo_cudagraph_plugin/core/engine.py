@@ -431,8 +431,16 @@ class CaptureEngine:
         cur.wait_stream(s)
         return out
 
+    def note_peak_memory(self) -> None:
+        """Record the device's peak allocated memory so far in ``stats.peak_bytes`` (after a capture; at the end of
+        fit). A read of the allocator's counters: no sync, no device work."""
+        if self.stats.peak_eager_bytes:
+            self.stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+
     def _capture(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, fn: StepFn, fresh_grads: bool) -> Any:
         t0 = time.perf_counter()
+        if not self.stats.peak_eager_bytes and self.device.type == "cuda":
+            self.stats.peak_eager_bytes = torch.cuda.max_memory_allocated(self.device)
         be = self.backend
         inputs = StaticInputs(leaves, spec, self.device)
         graph = be.new_graph()

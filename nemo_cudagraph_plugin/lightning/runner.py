@@ -299,6 +299,7 @@ class LightningStepRunner:
         if self.prep is not None:
             self.prep.restore()
         if self.engine is not None:
+            self.engine.note_peak_memory()
             self.engine.cache.clear()  # frees the graphs; stats.graphs keeps the count at the end of fit
         self._orig_run = None
 
