@@ -11,8 +11,8 @@ import torch
 
 from nemo_cudagraph_plugin.core import (
     CaptureConfig,
-    CaptureStats,
     CaptureEngine,
+    CaptureStats,
     GraphCache,
     NanGuard,
     NonFiniteError,
