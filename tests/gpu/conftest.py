@@ -6,6 +6,7 @@ files were left out and why; ``ci/stages.sh gpu`` runs them on a CUDA machine.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ import torch
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 HERE = Path(__file__).resolve().parent
+# The helpers shared with the CPU tests (tests/hf_models.py, tests/fp8_doubles.py) import as top-level modules.
+if str(HERE.parent) not in sys.path:
+    sys.path.append(str(HERE.parent))
 _LEFT_OUT: list[str] = []
 
 # TransformerEngine first, where it is installed: its loader picks a cuDNN by path, and once torch has loaded its own
