@@ -760,6 +760,11 @@ MUTANTS: list[Mutant] = [
            ("tests/test_hf_cpu.py::test_hf_attention_as_is_refuses_at_hfs_line_and_says_what_to_change",
             "tests/test_hf_cpu.py::test_moe_routing_is_refused_before_the_first_graphed_step_naming_the_line_and_the_fix"),
            "a refusal inside HF's mask builder or MoE routing gives the generic host-sync fix, not what to change"),
+    Mutant("compile-with-cuda-graphs-not-refused", "cpu", "nemo_cudagraph_plugin/core/_torch_compat.py",
+           '        if config is not None and config.get("triton.cudagraphs"):',
+           "        if False:",
+           (LT + "test_torch_compile_with_its_own_cuda_graphs_is_refused_before_the_first_step[compile_kw0]",),
+           "torch.compile(mode='reduce-overhead') inside the step fails at capture in inductor's generated code"),
     Mutant("module-guard-skips-requires-grad", "cpu", MSTATE,
            "            if list(map(call, self._getters, self._dicts)) == self._values and (\n"
            "                list(map(_requires_grad, self._params)) == self._grads\n            ):",

@@ -61,18 +61,20 @@ class HFCausalLM(pl.LightningModule):
         padded: pass ``attention_mask`` (batches are right-padded; padded labels are -100).
         use_cache: what ``training_step`` passes as ``use_cache`` (``None``: the model's default).
         compile_kw: ``torch.compile`` keywords for the model, applied in ``configure_model``.
-        prepare: called with the module in ``configure_model`` (e.g. gradient checkpointing).
+        prepare: called with the model in ``configure_model`` (e.g. gradient checkpointing).
+        fused: a fused AdamW (Lightning refuses clipping with a fused optimizer under mixed precision); else
+            torch's default implementation.
     """
 
     def __init__(self, config: Any, lr: float = 2.0**-10, padded: bool = False, use_cache: Optional[bool] = False,
                  compile_kw: Optional[dict] = None, prepare: Optional[Callable[[Any], None]] = None,
-                 seed: int = 0, schedule: bool = False, max_steps: int = 100) -> None:
+                 seed: int = 0, schedule: bool = False, max_steps: int = 100, fused: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.model = transformers.AutoModelForCausalLM.from_config(config.__class__.from_dict(config.to_dict()),
                                                                    attn_implementation="sdpa")
         self.lr, self.padded, self.use_cache, self.schedule, self.max_steps = lr, padded, use_cache, schedule, max_steps
-        self.compile_kw, self.prepare = compile_kw, prepare
+        self.compile_kw, self.prepare, self.fused = compile_kw, prepare, fused
 
     def configure_model(self) -> None:
         if self.prepare is not None and not getattr(self, "_prepared", False):
@@ -98,7 +100,7 @@ class HFCausalLM(pl.LightningModule):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         rest = [p for p in self.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                lr=self.lr, betas=(0.9, 0.95), fused=True)
+                                lr=self.lr, betas=(0.9, 0.95), fused=self.fused or None)
         if not self.schedule:
             return opt
         warm = max(1, self.max_steps // 10)

@@ -50,7 +50,7 @@ class TinyGPT(GPTLightningModule):
 
     def __init__(self, sched=None, late_param=False, extra_for_long=0, poison_param=None, python_logs=False,
                  baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False, poison_inf=False,
-                 compile_backend=None):
+                 compile_kw=None):
         super().__init__(CFG.replace(dropout=dropout), lr=LR)
         self.sched = sched
         # a parameter that first gets a gradient at batch 2 (the last warm-up step), and one that never gets one:
@@ -67,11 +67,11 @@ class TinyGPT(GPTLightningModule):
         self.lr_in_optimizer_step = lr_in_optimizer_step
         self.trainable_only = trainable_only  # the optimizer gets the parameters that require a gradient only
         self.calls = 0
-        self.compile_backend = compile_backend  # torch.compile's backend for the GPT body, set in configure_model
+        self.compile_kw = compile_kw  # torch.compile's keywords for the GPT body, applied in configure_model
 
     def configure_model(self):
-        if self.compile_backend is not None and not hasattr(self.model, "_orig_mod"):
-            self.model = torch.compile(self.model, backend=self.compile_backend)
+        if self.compile_kw is not None and not hasattr(self.model, "_orig_mod"):
+            self.model = torch.compile(self.model, **self.compile_kw)
 
     def on_fit_start(self):
         if self.poison_param is not None:
@@ -250,11 +250,26 @@ def test_graphed_fit_equals_eager_lightning_bitwise(acc, steps):
     assert [float(t) for t in g.rec.logged_t] == g.rec.logged
 
 
+@pytest.mark.parametrize("compile_kw", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                                        {"options": {"triton.cudagraphs": True}}])
+def test_torch_compile_with_its_own_cuda_graphs_is_refused_before_the_first_step(compile_kw):
+    with pytest.raises(CaptureError, match=r"TinyGPT\.model is compiled with torch\.compile's own CUDA graphs .*"
+                                           r"mode='max-autotune-no-cudagraphs'"):
+        fit(module_kw={"compile_kw": compile_kw}, steps=4)
+    if "mode" not in compile_kw or compile_kw["mode"] != "reduce-overhead":
+        return  # the eager fallback compiles with inductor (a C++ build on CPU): once is enough
+    # on_capture_error='eager': trained eagerly, with torch.compile's graphs, from the first step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = fit(module_kw={"compile_kw": compile_kw}, cb_kw={"on_capture_error": "eager"}, steps=4)
+    assert run.stats.replays == 0 and run.stats.eager_reasons == {"torch.compile with CUDA graphs": 4}
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_torch_compiled_submodule_is_graphed_and_equals_eager(backend):
     """``self.model = torch.compile(self.model)`` in ``configure_model``: the compiled body runs inside the
     captured step (its ``OptimizedModule`` wrapper has no plain value of its own to watch) and trains as eager."""
-    g, e = graphed_and_eager(module_kw={"compile_backend": backend}, steps=8)
+    g, e = graphed_and_eager(module_kw={"compile_kw": {"backend": backend}}, steps=8)
     assert g.stats.replays == 4  # 3 warm-up steps, the capture, 4 replays
     assert_same(g, e)
 

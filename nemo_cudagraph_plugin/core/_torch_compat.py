@@ -23,6 +23,7 @@ __all__ = [
     "quiet_uncaptured_capturable",
     "set_found_inf",
     "clear_found_inf",
+    "compiled_with_cuda_graphs",
 ]
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -70,3 +71,20 @@ def set_found_inf(optimizer: Any, found_inf: Tensor) -> None:
 def clear_found_inf(optimizer: Any, found_inf: Tensor) -> None:
     if getattr(optimizer, "found_inf", None) is found_inf:
         del optimizer.found_inf
+
+
+def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
+    """The name (``""`` for ``module`` itself) of the first submodule that ``torch.compile`` compiles with its own
+    CUDA graphs (``mode="reduce-overhead"``/``"max-autotune"``, ``options={"triton.cudagraphs": True}``, or that
+    inductor option set globally), else ``None``. Those graphs are captured and replayed by inductor's CUDA graph
+    trees when the compiled code runs, which cannot happen inside another graph's capture."""
+    for name, m in module.named_modules():
+        get_config = getattr(m, "get_compiler_config", None)  # torch.compile's OptimizedModule
+        if get_config is None or not hasattr(m, "_orig_mod"):
+            continue
+        # Inductor's options as this compile will use them (its mode and the global config); None for other backends.
+        config = get_config()
+        if config is not None and config.get("triton.cudagraphs"):
+            return name
+    return None
+

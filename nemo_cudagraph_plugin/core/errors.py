@@ -174,7 +174,8 @@ def _framework_dirs() -> tuple[str, ...]:
 def _library_dirs() -> tuple[str, ...]:
     """Training frameworks the user called into (a frame there is library code, not theirs)."""
     dirs = []
-    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "transformer_engine", "megatron", "nemo"):
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "transformer_engine", "megatron", "nemo",
+                 "transformers"):
         mod = sys.modules.get(name)
         if mod is not None and getattr(mod, "__file__", None):
             dirs.append(os.path.dirname(os.path.abspath(mod.__file__)))
@@ -224,13 +225,19 @@ def user_location(tb: Optional[TracebackType]) -> Optional[str]:
 
 
 def _library_site(tb: Optional[TracebackType]) -> Optional[traceback.FrameSummary]:
-    """The innermost frame in installed library code (``site-packages``; not torch, not this package)."""
+    """The innermost frame of installed library code that the user's code called into (a model library's line,
+    not Lightning's call of ``training_step``), or ``None``."""
     if tb is None:
         return None
-    framework = _framework_dirs()
-    for frame in reversed(traceback.extract_tb(tb)):
+    frames = traceback.extract_tb(tb)
+    user, _ = locate_frames(frames)
+    framework, libraries = _framework_dirs(), _library_dirs()
+    deeper = frames[frames.index(user) + 1:] if user is not None and user in frames else frames
+    for frame in reversed(deeper):
         path = os.path.abspath(frame.filename)
-        if not path.startswith(framework) and ("site-packages" in path or "dist-packages" in path):
+        if not frame.filename.startswith("<") and not path.startswith(framework) and (
+            path.startswith(libraries) or "site-packages" in path or "dist-packages" in path
+        ):
             return frame
     return None
 

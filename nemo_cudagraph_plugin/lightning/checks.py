@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..core._torch_compat import compiled_with_cuda_graphs
 from ..core.config import CaptureConfig
 from ..core.optim import check_optimizer_supported
 
@@ -85,6 +86,16 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
             "fp16 precision",
             f"precision={precision!r} uses a GradScaler, whose step reads found_inf on the host every step; use "
             "precision='bf16-mixed' (or '32-true')",
+        )
+    compiled = compiled_with_cuda_graphs(pl_module)
+    if compiled is not None:
+        where = f"{type(pl_module).__name__}.{compiled}" if compiled else type(pl_module).__name__
+        return Refusal(
+            "torch.compile with CUDA graphs",
+            f"{where} is compiled with torch.compile's own CUDA graphs (mode='reduce-overhead' or 'max-autotune'), "
+            f"which capture and replay themselves when the compiled code runs and cannot run inside {owner}'s "
+            "whole-step graph. Compile with mode='default' or mode='max-autotune-no-cudagraphs' (the whole-step "
+            f"graph removes the launch overhead those modes target), or drop {owner} to keep torch.compile's graphs",
         )
     return None
 

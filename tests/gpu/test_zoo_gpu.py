@@ -46,6 +46,9 @@ class Case:
     trainer_kw: dict = field(default_factory=dict)
     pad: bool = False
     strategy: Optional[Callable[[], Any]] = None  # graphed run's strategy (instead of the callback)
+    # torch.use_deterministic_algorithms for every run: inductor then falls back to deterministic kernels for its
+    # atomic scatter-adds (the embedding's backward), without which two compiled eager runs already differ
+    deterministic: bool = False
 
 
 def _ckpt(model: Any) -> None:
@@ -60,17 +63,21 @@ CASES: dict[str, Case] = {
     "llama-grad-ckpt": Case(lambda: llama(kv_heads=4, **_size()), {"prepare": _ckpt}),
     "llama-bf16-true": Case(lambda: llama(kv_heads=4, **_size()), trainer_kw={"precision": "bf16-true"}),
     "llama-32-true": Case(lambda: llama(kv_heads=4, **_size()), trainer_kw={"precision": "32-true"}),
-    "llama-compile": Case(lambda: llama(kv_heads=4, **_size()), {"compile_kw": {}}),
+    "llama-compile": Case(lambda: llama(kv_heads=4, **_size()), {"compile_kw": {}}, deterministic=True),
+    # autotuning every GEMM and fused kernel takes minutes at the common size: a smaller model, the same code paths
     "llama-compile-max-autotune-no-cudagraphs": Case(
-        lambda: llama(kv_heads=4, **_size()), {"compile_kw": {"mode": "max-autotune-no-cudagraphs"}}),
-    "llama-compile-reduce-overhead": Case(
-        lambda: llama(kv_heads=4, **_size()), {"compile_kw": {"mode": "reduce-overhead"}}),
-    "llama-schedule-clip": Case(lambda: llama(kv_heads=4, **_size()), {"schedule": True, "max_steps": STEPS},
+        lambda: llama(hidden=128, layers=2, heads=4, kv_heads=2), {"compile_kw": {"mode": "max-autotune-no-cudagraphs"}},
+        deterministic=True),
+    "llama-schedule-clip": Case(lambda: llama(kv_heads=4, **_size()), {"schedule": True, "max_steps": STEPS,
+                                                                       "fused": False},
                                 trainer_kw={"gradient_clip_val": 1.0}),
     "llama-ddp-1-rank": Case(lambda: llama(kv_heads=4, **_size()), strategy=lambda: CudaGraphStrategy("ddp")),
 }
 REFUSED: dict[str, tuple[Case, str]] = {
-    "mixtral": (Case(lambda: mixtral(kv_heads=4, **_size())), r"modeling_mixtral\.py:\d+.*\n(.*\n)*.*Fix: .*capacity"),
+    "mixtral": (Case(lambda: mixtral(kv_heads=4, **_size())),
+                r"hf_models\.py:\d+: .*depends on the data.*\n  Inside: .*modeling_mixtral\.py:\d+.*\n  Fix: .*capacity"),
+    "llama-compile-reduce-overhead": (Case(lambda: llama(kv_heads=4, **_size()), {"compile_kw": {"mode": "reduce-overhead"}}),
+                                      r"HFCausalLM\.model is compiled with torch\.compile's own CUDA graphs"),
     "fsdp-with-callback": (Case(lambda: llama(kv_heads=4, **_size()), trainer_kw={"strategy": "fsdp"}),
                            r"FSDP.*CudaGraphStrategy|CudaGraphStrategy.*FSDP|FSDP"),
 }
@@ -88,10 +95,12 @@ class _Timer(pl.Callback):
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self.steps: list[int] = []
         self.t: dict[int, float] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].detach().float().clone())
+        self.steps.append(trainer.global_step)
         if trainer.global_step in TIMED and trainer.global_step not in self.t:
             torch.cuda.synchronize()
             self.t[trainer.global_step] = time.perf_counter()
@@ -107,6 +116,7 @@ class Run:
     ms: float
     peak_gib: float
     stats: Any = None
+    steps: list = field(default_factory=list)  # global_step after each loss
 
 
 def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_path: Optional[str] = None,
@@ -140,15 +150,18 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
     val = DataLoader(TokenBatches(2, batch=BATCH, seq=SEQ, seed=1), batch_size=None) if "val_check_interval" in trainer_kw else None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    torch.use_deterministic_algorithms(case.deterministic, warn_only=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(module, train_dataloaders=data, val_dataloaders=val, ckpt_path=ckpt_path)
     finally:
+        torch.use_deterministic_algorithms(False)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     stats = graph_cb.stats if graph_cb is not None else getattr(trainer.strategy, "stats", None)
-    return Run(torch.stack(timer.losses).cpu(), timer.ms_per_step(), torch.cuda.max_memory_allocated() / 2**30, stats)
+    return Run(torch.stack(timer.losses).cpu(), timer.ms_per_step(), torch.cuda.max_memory_allocated() / 2**30, stats,
+               timer.steps)
 
 
 def _row(name: str, g: Optional[Run], ref: Optional[Run], plain: Optional[Run], outcome: str) -> None:
@@ -171,7 +184,9 @@ def test_zoo_case_trains_bitwise_as_its_eager_reference(name):
     g = _fit(case, "graphed")
     same = torch.equal(g.losses, ref.losses)
     _row(name, g, ref, plain, "bitwise" if same else "DIFFERS")
-    assert g.stats.replays >= STEPS - 8, g.stats.summary()
+    # every step after the eager warm-up (3; 12 under DDP) and the capture is a replay
+    assert g.stats.replays == STEPS - g.stats.warmup_steps - g.stats.captures and not g.stats.eager_steps, \
+        g.stats.summary()
     assert same, f"max |dloss| {float((g.losses - ref.losses).abs().max()):.3e}"
 
 
@@ -203,11 +218,15 @@ def test_zoo_validation_checkpoints_and_resume_from_a_mid_run_checkpoint(tmp_pat
     mid = tmp_path / "g" / "step=16.ckpt"
     assert mid.exists(), sorted(p.name for p in (tmp_path / "g").iterdir())
     resumed = _fit(case, "graphed", callbacks=(ckpt("r"),), ckpt_path=str(mid), **kw)
-    same = torch.equal(g.losses, ref.losses) and torch.equal(resumed.losses, g.losses[16:])
+    # the uninterrupted run's loss at each global step the resumed run trained
+    at = dict(zip(g.steps, g.losses.tolist()))
+    uninterrupted = torch.tensor([at[s] for s in resumed.steps])
+    same = torch.equal(g.losses, ref.losses) and torch.equal(resumed.losses, uninterrupted)
     _row("llama-val-ckpt-resume", g, ref, None, "bitwise (resumed too)" if same else "DIFFERS")
-    assert g.stats.replays >= STEPS - 8 and resumed.stats.replays >= 32 - 8, (g.stats.summary(), resumed.stats.summary())
+    assert resumed.steps[0] == 17 and len(resumed.steps) >= 16 and resumed.stats.replays >= 12, \
+        (resumed.steps, resumed.stats.summary())
     assert torch.equal(g.losses, ref.losses), float((g.losses - ref.losses).abs().max())
-    assert torch.equal(resumed.losses, g.losses[16:]), float((resumed.losses - g.losses[16:]).abs().max())
+    assert torch.equal(resumed.losses, uninterrupted), float((resumed.losses - uninterrupted).abs().max())
 
 
 def teardown_module(module: Any) -> None:
