@@ -26,9 +26,9 @@ _LAZY = {
     "install_fp8_refresh": "nemo_cudagraph_plugin.fp8",
     "after_param_sync": "nemo_cudagraph_plugin.fp8",
     "Fp8TransposeRefresh": "nemo_cudagraph_plugin.lightning.fp8_callback",
-    "align_fp8_transposes": "nemo_cudagraph_plugin.pipeline",
-    "MicrobatchTimer": "nemo_cudagraph_plugin.pipeline",
-    "AlignPipelineTransposes": "nemo_cudagraph_plugin.lightning.pipeline_callback",
+    "align_fp8_transposes": "nemo_cudagraph_plugin.fp8.pipeline",
+    "MicrobatchTimer": "nemo_cudagraph_plugin.diagnostics",
+    "AlignPipelineTransposes": "nemo_cudagraph_plugin.integrations.megatron.callbacks",
 }
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of the Megatron-core hooks in ``nemo_cudagraph_plugin.megatron`` and their Lightning callbacks.
+"""CPU tests of the Megatron-core hooks in ``nemo_cudagraph_plugin.integrations.megatron`` and their Lightning callbacks.
 
 * The FP8 completion-path refresh (``install_param_gather_refresh``) on a stand-in of megatron-core 0.16.1's
   DDP bucket groups: the same control flow as ``_ParamAndGradBucketGroup.start_param_sync`` /
@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from nemo_cudagraph_plugin.megatron import (
+from nemo_cudagraph_plugin.integrations.megatron import (
     MegatronCapabilities,
     ParamGatherRefresh,
     find_megatron_ddp,
@@ -253,8 +253,8 @@ class _NoStepHooks:
 
 
 def test_align_pipeline_transposes_on_megatron_chunks_forces_nothing_and_needs_no_step_hook(monkeypatch):
-    from nemo_cudagraph_plugin import megatron as mod
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron import capabilities as mod
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     monkeypatch.setattr(mod, "megatron_capabilities", lambda: caps(rebuild=True))
     chunks = nn.ModuleList([FakeDDP(), FakeDDP()])
@@ -280,8 +280,8 @@ def test_align_pipeline_transposes_on_megatron_chunks_forces_nothing_and_needs_n
 
 
 def test_fp8_param_gather_refresh_callback(monkeypatch):
-    from nemo_cudagraph_plugin import megatron as mod
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import Fp8ParamGatherRefresh
+    from nemo_cudagraph_plugin.integrations.megatron import capabilities as mod
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import Fp8ParamGatherRefresh
 
     monkeypatch.setattr(mod, "megatron_capabilities", lambda: caps(rebuild=True))
     ddp = FakeDDP()
@@ -311,7 +311,7 @@ nemo_only = pytest.mark.nemo
 @nemo_only
 def test_capabilities_read_from_megatron_core_0161():
     _need("megatron.core")
-    from nemo_cudagraph_plugin.megatron import megatron_capabilities
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities
 
     c = megatron_capabilities()
     assert c is not None and c.version == "0.16.1"
@@ -335,8 +335,7 @@ def test_full_iteration_forward_backward_refuses_what_would_not_engage():
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_cudagraph_plugin.megatron import full_iteration_forward_backward
-    from nemo_cudagraph_plugin.nemo import apply_megatron_graph_fields
+    from nemo_cudagraph_plugin.integrations.megatron import apply_megatron_graph_fields, full_iteration_forward_backward
 
     def cfg(**kw):
         return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **kw)
@@ -361,7 +360,7 @@ def test_full_iteration_callback_on_a_real_nemo_megatron_step(monkeypatch):
     _need("nemo.lightning")
     from nemo.lightning.megatron_parallel import CallbackConnector, MegatronStep
 
-    from nemo_cudagraph_plugin.lightning import pipeline_callback as pc
+    from nemo_cudagraph_plugin.integrations.megatron import callbacks as pc
 
     built = []
 
