@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import types
 import warnings
 
@@ -241,6 +242,100 @@ def test_fused_wgrad_safety_reasons():
     ok, why = fused_wgrad_graph_safety(impl="local", full_iteration=True, capabilities=old)
     assert ok and "during capture" in why
     assert fused_wgrad_graph_safety(impl="local", full_iteration=False, capabilities=None)[0] is False
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What the installed megatron-core does: version gates and probes, the safe choice when unsure
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _fake_megatron_core(monkeypatch, version, *, force_sync=True, full_graph=True):
+    """Stand-in ``megatron.core`` modules with only the public attributes the detection reads."""
+    from nemo_cudagraph_plugin.core import warn
+
+    monkeypatch.setattr(warn, "_WARNED", set())
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+
+    if force_sync:
+        class Group:
+            def start_param_sync(self, force_sync: bool = False): ...
+            def finish_param_sync(self, skip_next_bucket_dispatch: bool = False): ...
+
+        class DDP:
+            def start_param_sync(self, *unused, force_sync: bool = False): ...
+    else:
+        class Group:
+            def start_param_sync(self): ...
+            def finish_param_sync(self): ...
+
+        class DDP:
+            def start_param_sync(self, *unused): ...
+
+    module("megatron")
+    module("megatron.core", __version__=version)
+    module("megatron.core.package_info", __version__=version)
+    module("megatron.core.distributed")
+    module("megatron.core.distributed.param_and_grad_buffer", _ParamAndGradBucketGroup=Group)
+    module("megatron.core.distributed.distributed_data_parallel", DistributedDataParallel=DDP)
+    module("megatron.core.fp8_utils", te_post_all_gather_processing=lambda *a, **k: None)
+    if full_graph:
+        module("megatron.core.full_cuda_graph", FullCudaGraphWrapper=object)
+    else:
+        monkeypatch.delitem(sys.modules, "megatron.core.full_cuda_graph", raising=False)
+
+
+def test_capabilities_of_a_tested_megatron_core_come_from_its_version(monkeypatch):
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities
+
+    _fake_megatron_core(monkeypatch, "0.16.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tested version: no warning
+        c = megatron_capabilities()
+    assert c.tested and c.version == "0.16.1" and c.te_post_all_gather_processing and c.full_cuda_graph_wrapper
+    assert c.megatron_rebuilds("overlapped") and c.megatron_rebuilds("sync") and not c.megatron_rebuilds("forced")
+    assert c.replay_sets_grad_added_to_main_grad and c.per_layer_input_buffer_reuse
+    assert c.where["per_layer_input_buffer_reuse"] == "megatron/core/transformer/cuda_graphs.py:995"
+    assert fused_wgrad_graph_safety(impl="local", full_iteration=False, capabilities=c)[0]
+
+
+@pytest.mark.parametrize("version, force_sync, why", [
+    ("0.18.0", True, "outside the tested series (0.16.x)"),
+    ("0.16.1", False, "do not have the tested parameters"),
+    ("not a version", True, "could not be read"),
+])
+def test_capabilities_fail_closed_when_unsure_and_say_so_once(monkeypatch, version, force_sync, why):
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities, per_layer_refusal
+
+    _fake_megatron_core(monkeypatch, version, force_sync=force_sync)
+    with pytest.warns(UserWarning, match="assuming the safe choice") as record:
+        c = megatron_capabilities()
+        again = megatron_capabilities()
+    assert len(record) == 1 and why in str(record[0].message)
+    assert c == again and not c.tested and c.where == {}
+    # Every all-gather path is refreshed by us, fused wgrad accumulation is off under per-layer graphs, and the
+    # whole-iteration graph is preferred to per-layer graphs.
+    assert not any(c.megatron_rebuilds(p) for p in ("overlapped", "sync", "forced"))
+    safe, reason = fused_wgrad_graph_safety(impl="local", full_iteration=False, capabilities=c)
+    assert not safe and "not a tested version" in reason
+    assert c.per_layer_input_buffer_reuse and "not a version whose per-layer CUDA graphs were checked" in (
+        per_layer_refusal(c) or "")
+    ddp = FakeDDP(overlap=True)
+    handle = install_param_gather_refresh([ddp], capabilities=c)
+    assert handle.paths == {"overlapped", "sync", "forced"}
+    handle.remove()
+
+
+def test_capabilities_without_the_whole_iteration_graph_keep_per_layer_graphs(monkeypatch):
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities, per_layer_refusal
+
+    _fake_megatron_core(monkeypatch, "0.13.0", full_graph=False)
+    with pytest.warns(UserWarning, match="assuming the safe choice"):
+        c = megatron_capabilities()
+    assert not c.full_cuda_graph_wrapper and not c.per_layer_input_buffer_reuse and per_layer_refusal(c) is None
 
 
 # ------------------------------------------------------------------------------------------------------------
