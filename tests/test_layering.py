@@ -97,3 +97,15 @@ def test_the_check_sees_a_relative_import_of_a_higher_layer(tmp_path):
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_every_layer_has_modules(layer):
     assert any(_layer(_module_name(p)) == layer for p in ROOT.rglob("*.py"))
+
+
+def test_package_imports_are_relative():
+    """One import style inside the package: relative (``from ..core.config import ...``)."""
+    absolute = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            absolute += [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for n in names
+                         if n == PKG or n.startswith(PKG + ".")]
+    assert absolute == []
