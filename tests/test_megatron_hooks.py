@@ -430,7 +430,10 @@ def test_full_iteration_forward_backward_refuses_what_would_not_engage():
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_cudagraph_plugin.integrations.megatron import apply_megatron_graph_fields, full_iteration_forward_backward
+    from nemo_cudagraph_plugin.integrations.megatron import (
+        apply_megatron_graph_fields,
+        full_iteration_forward_backward,
+    )
 
     def cfg(**kw):
         return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **kw)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-
 _UNSET = "<unset>"  # the record's marker for "the argument was not set explicitly"
 
 

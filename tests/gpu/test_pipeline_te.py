@@ -29,8 +29,8 @@ te = pytest.importorskip(
     "transformer_engine.pytorch", reason="TransformerEngine is not installed (pip install '.[te]')"
 )
 
-from nemo_cudagraph_plugin.fp8 import iter_fp8_params  # noqa: E402
 from nemo_cudagraph_plugin.diagnostics import MicrobatchTimer  # noqa: E402
+from nemo_cudagraph_plugin.fp8 import iter_fp8_params  # noqa: E402
 from nemo_cudagraph_plugin.fp8.pipeline import TransposeAligner, align_fp8_transposes  # noqa: E402
 
 _ok = te.is_fp8_available(return_reason=True)

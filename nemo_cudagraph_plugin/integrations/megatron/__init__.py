@@ -44,7 +44,6 @@ from .graph_fields import (
 from .param_gather import ParamGatherRefresh, find_megatron_ddp, install_param_gather_refresh
 from .param_sync import ParamSyncHook, default_pp_group, install_param_sync_hook, make_param_sync_hook
 
-
 _CALLBACKS = ("AlignPipelineTransposes", "Fp8ParamGatherRefresh", "MegatronFullIterationGraph")
 
 
