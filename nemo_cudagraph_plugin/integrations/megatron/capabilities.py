@@ -176,7 +176,7 @@ def megatron_capabilities() -> Optional[MegatronCapabilities]:
     known = _TESTED.get((version.major, version.minor)) if version is not None else None
     tested = known is not None and _hooks_have_their_shape(ddp, pgb)
     if tested:
-        facts = dict(known)
+        facts = {**known, "where": dict(known["where"])}
     else:
         facts = {**_SAFE, "per_layer_input_buffer_reuse": full, "where": {}}
         why = ("its version could not be read" if version is None else

@@ -37,12 +37,12 @@ def with_cuda_graph(
     Args:
         recipe: a ``nemo_run.Partial``/``Config`` (or any ``fiddle`` buildable) with a ``trainer`` argument
             that is a ``Config(Trainer, ...)``; for ``MegatronStrategy`` recipes also ``model.config``.
-        enabled: ``False`` undoes a previous call (see the module docstring for what is restored).
+        enabled: ``False`` undoes a previous call (see :mod:`nemo_cudagraph_plugin.integrations.nemo` for what is restored).
         mode: ``"callback"`` (append ``CudaGraphCallback``), ``"strategy"`` (wrap the strategy in
             ``CudaGraphStrategy``), ``"auto"`` (callback, or update our strategy if it is already there).
             Under ``MegatronStrategy`` only ``"auto"`` is accepted: Megatron's own graphs are configured.
         impl, scope: Megatron-core's ``cuda_graph_impl`` and ``cuda_graph_scope`` (``MegatronStrategy`` only);
-            ``scope=["full_iteration"]`` captures the whole training step (see the module docstring).
+            ``scope=["full_iteration"]`` captures the whole training step (see :mod:`nemo_cudagraph_plugin.integrations.nemo`).
         fp8_refresh: for Lightning recipes the callback's option; under ``MegatronStrategy``: ``"auto"`` appends
             ``AlignPipelineTransposes`` when the recipe keeps FP8 primary weights and its pipeline size is > 1,
             ``Fp8ParamGatherRefresh`` when it is 1; ``True`` always ``AlignPipelineTransposes``; ``False`` neither.
