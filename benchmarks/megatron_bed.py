@@ -1,4 +1,4 @@
-"""Megatron-core test bed on one GPU (issue #15): eager vs per-layer graphs vs the whole-iteration graph.
+"""Megatron-core test bed on one GPU: eager vs per-layer graphs vs the whole-iteration graph.
 
 A small GPT from megatron-core's TransformerEngine layer spec (``get_gpt_layer_with_transformer_engine_spec``),
 TP = PP = 1 in a 1-rank NCCL group, bf16, FP8 (``fp8="hybrid"``, FP8 primary weights with ``fp8_param_gather``),
@@ -16,13 +16,13 @@ steps, model and data sizes, seed, lr): each arm is compared with the first plai
 the group's second eager arm gives the eager-vs-eager noise floor. Mode, tag, timing/verification and the graph
 switches are not part of a group.
 
-Modes. ``eager``: no graph. ``layer``: the fields ``nemo_cudagraph_plugin.nemo.with_cuda_graph`` puts on a recipe's
+Modes. ``eager``: no graph. ``layer``: the fields ``nemo_cudagraph_plugin.integrations.nemo.with_cuda_graph`` puts on a recipe's
 ``model.config``, applied by the same function (``apply_megatron_graph_fields``) to this ``TransformerConfig``:
 megatron-core captures and replays each transformer layer. Where the flag refuses per-layer graphs (megatron-core
 0.16.1, ``megatron.per_layer_refusal``: its default there is the whole iteration) the arm sets the per-layer fields as
 a user would by hand and its record keeps the reason (``flag.refused``); with ``--keep-graph-inputs`` the flag sees
 that hazard removed. ``full``: the same function with
-``scope=["full_iteration"]`` plus ``nemo_cudagraph_plugin.megatron.full_iteration_forward_backward`` (megatron-core's
+``scope=["full_iteration"]`` plus ``nemo_cudagraph_plugin.integrations.megatron.full_iteration_forward_backward`` (megatron-core's
 ``FullCudaGraphWrapper``, what the flag's ``MegatronFullIterationGraph`` callback installs under NeMo).
 
 What each record holds: per-step loss and gradient norm (the distributed optimizer's, i.e. of ``main_grad`` before
@@ -166,7 +166,7 @@ def transformer_config(cfg: BedConfig) -> tuple[Any, dict[str, Any]]:
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_cudagraph_plugin.nemo import apply_megatron_graph_fields
+    from nemo_cudagraph_plugin.integrations.megatron import apply_megatron_graph_fields
 
     fp8 = cfg.fp8 if cfg.fp8 != "none" else None
     tc = TransformerConfig(
@@ -180,7 +180,7 @@ def transformer_config(cfg: BedConfig) -> tuple[Any, dict[str, Any]]:
     )
     info: dict[str, Any] = {"changes": [], "notes": []}
     if cfg.mode != "eager":
-        from nemo_cudagraph_plugin.megatron import megatron_capabilities, per_layer_refusal
+        from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities, per_layer_refusal
 
         caps = megatron_capabilities()
         if caps is not None and cfg.guard_fused_wgrad:
@@ -455,7 +455,7 @@ def run(cfg: BedConfig) -> dict[str, Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from nemo_cudagraph_plugin.fp8 import verify_fp8_transposes
-        from nemo_cudagraph_plugin.megatron import (
+        from nemo_cudagraph_plugin.integrations.megatron import (
             count_megatron_graphs,
             full_iteration_forward_backward,
             install_param_gather_refresh,
@@ -756,7 +756,7 @@ def markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     """The evidence record: versions, the table, the flag's changes, errors with their last traceback lines."""
     versions = next((r.get("versions") for r in records if r.get("versions")), {})
     caps = next((r.get("capabilities") for r in records if r.get("capabilities")), None)
-    out = ["# Megatron-core test bed (issue #15)", "",
+    out = ["# Megatron-core test bed", "",
            "Produced by `benchmarks/megatron_session.sh` (`benchmarks/megatron_bed.py`). Versions: "
            + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
            "Arms are grouped by configuration (" + ", ".join(GROUP_FIELDS) + "): each is compared with the "
@@ -768,7 +768,7 @@ def markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
            "too). Lines `main_grad vs`: per fingerprinted step (`--grad-fingerprints`), the parameters whose "
            "gradient is not bitwise the reference's, with the relative difference of its norm.", "", "```", table(summary), "```", ""]
     if caps:
-        out += ["installed megatron-core capabilities (read from its code):", "```",
+        out += ["installed megatron-core capabilities (version gates and probes):", "```",
                 json.dumps({k: v for k, v in caps.items() if k != "where"}, indent=1),
                 json.dumps(caps.get("where", {}), indent=1), "```", ""]
     for r in records:

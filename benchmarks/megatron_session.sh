@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU-host run for issue #15 (megatron-core 0.16.1 + TransformerEngine 2.20.2 on one GPU).
+# The Megatron-core test bed's arms in one run (megatron-core 0.16.1 + TransformerEngine 2.20.2 on one GPU).
 #
 #   OUT=/some/dir bash benchmarks/megatron_session.sh                   (carry .te/final and .whl)
 #   OUT=/some/dir ARMS=bf16layer bash benchmarks/megatron_session.sh    (the per-layer set, below)

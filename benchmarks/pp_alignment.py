@@ -37,7 +37,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nemo_cudagraph_plugin.pipeline import MicrobatchTimer, align_fp8_transposes  # noqa: E402
+from nemo_cudagraph_plugin.diagnostics import MicrobatchTimer  # noqa: E402
+from nemo_cudagraph_plugin.fp8.pipeline import align_fp8_transposes  # noqa: E402
 
 MODES = ("lazy", "aligned")
 

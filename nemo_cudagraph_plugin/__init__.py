@@ -19,16 +19,16 @@ __version__ = "0.1.0"
 # Names resolved lazily: importing the package (e.g. for the Megatron-core hooks) imports neither
 # Lightning nor TransformerEngine until one of these is used.
 _LAZY = {
-    "CudaGraphCallback": "nemo_cudagraph_plugin.lightning.callback",
-    "CudaGraphStrategy": "nemo_cudagraph_plugin.lightning.strategy",
-    "refresh_fp8_transposes": "nemo_cudagraph_plugin.fp8",
-    "verify_fp8_transposes": "nemo_cudagraph_plugin.fp8",
-    "install_fp8_refresh": "nemo_cudagraph_plugin.fp8",
-    "after_param_sync": "nemo_cudagraph_plugin.fp8",
-    "Fp8TransposeRefresh": "nemo_cudagraph_plugin.lightning.fp8_callback",
-    "align_fp8_transposes": "nemo_cudagraph_plugin.pipeline",
-    "MicrobatchTimer": "nemo_cudagraph_plugin.pipeline",
-    "AlignPipelineTransposes": "nemo_cudagraph_plugin.lightning.pipeline_callback",
+    "CudaGraphCallback": ".lightning.callback",
+    "CudaGraphStrategy": ".lightning.strategy",
+    "refresh_fp8_transposes": ".fp8",
+    "verify_fp8_transposes": ".fp8",
+    "install_fp8_refresh": ".fp8",
+    "after_param_sync": ".fp8",
+    "Fp8TransposeRefresh": ".lightning.fp8_callback",
+    "align_fp8_transposes": ".fp8.pipeline",
+    "MicrobatchTimer": ".diagnostics",
+    "AlignPipelineTransposes": ".integrations.megatron.callbacks",
 }
 
 
@@ -38,7 +38,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'nemo_cudagraph_plugin' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(mod), name)
+    return getattr(importlib.import_module(mod, __name__), name)
 
 
 __all__ = [

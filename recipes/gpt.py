@@ -31,7 +31,6 @@ import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -459,12 +458,12 @@ EMBEDDED_CORPUS_SHA256 = "4269f1deab32be846cdaf3d18b318e488a802342a75a9c3763a208
 
 
 def load_embedded_corpus(*, verify: bool = True) -> bytes:
-    """The embedded public-domain corpus as UTF-8 bytes (read from the installed package; no network)."""
-    raw = resources.files("recipes").joinpath("data", EMBEDDED_CORPUS_NAME).read_bytes()
+    """The embedded public-domain corpus as UTF-8 bytes (``recipes/data`` of the checkout; no network)."""
+    raw = (Path(__file__).resolve().parent / "data" / EMBEDDED_CORPUS_NAME).read_bytes()
     data = gzip.decompress(raw)
     if verify and hashlib.sha256(data).hexdigest() != EMBEDDED_CORPUS_SHA256:
         raise RuntimeError(
-            f"recipes/data/{EMBEDDED_CORPUS_NAME} does not match its recorded SHA-256; reinstall the package"
+            f"recipes/data/{EMBEDDED_CORPUS_NAME} does not match its recorded SHA-256; restore it from the repository"
         )
     return data
 

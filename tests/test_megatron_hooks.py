@@ -1,4 +1,4 @@
-"""CPU tests of the Megatron-core hooks in ``nemo_cudagraph_plugin.megatron`` and their Lightning callbacks.
+"""CPU tests of the Megatron-core hooks in ``nemo_cudagraph_plugin.integrations.megatron`` and their Lightning callbacks.
 
 * The FP8 completion-path refresh (``install_param_gather_refresh``) on a stand-in of megatron-core 0.16.1's
   DDP bucket groups: the same control flow as ``_ParamAndGradBucketGroup.start_param_sync`` /
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import types
 import warnings
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from nemo_cudagraph_plugin.megatron import (
+from nemo_cudagraph_plugin.integrations.megatron import (
     MegatronCapabilities,
     ParamGatherRefresh,
     find_megatron_ddp,
@@ -244,6 +245,100 @@ def test_fused_wgrad_safety_reasons():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# What the installed megatron-core does: version gates and probes, the safe choice when unsure
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _fake_megatron_core(monkeypatch, version, *, force_sync=True, full_graph=True):
+    """Stand-in ``megatron.core`` modules with only the public attributes the detection reads."""
+    from nemo_cudagraph_plugin.core import warn
+
+    monkeypatch.setattr(warn, "_WARNED", set())
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+
+    if force_sync:
+        class Group:
+            def start_param_sync(self, force_sync: bool = False): ...
+            def finish_param_sync(self, skip_next_bucket_dispatch: bool = False): ...
+
+        class DDP:
+            def start_param_sync(self, *unused, force_sync: bool = False): ...
+    else:
+        class Group:
+            def start_param_sync(self): ...
+            def finish_param_sync(self): ...
+
+        class DDP:
+            def start_param_sync(self, *unused): ...
+
+    module("megatron")
+    module("megatron.core", __version__=version)
+    module("megatron.core.package_info", __version__=version)
+    module("megatron.core.distributed")
+    module("megatron.core.distributed.param_and_grad_buffer", _ParamAndGradBucketGroup=Group)
+    module("megatron.core.distributed.distributed_data_parallel", DistributedDataParallel=DDP)
+    module("megatron.core.fp8_utils", te_post_all_gather_processing=lambda *a, **k: None)
+    if full_graph:
+        module("megatron.core.full_cuda_graph", FullCudaGraphWrapper=object)
+    else:
+        monkeypatch.delitem(sys.modules, "megatron.core.full_cuda_graph", raising=False)
+
+
+def test_capabilities_of_a_tested_megatron_core_come_from_its_version(monkeypatch):
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities
+
+    _fake_megatron_core(monkeypatch, "0.16.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tested version: no warning
+        c = megatron_capabilities()
+    assert c.tested and c.version == "0.16.1" and c.te_post_all_gather_processing and c.full_cuda_graph_wrapper
+    assert c.megatron_rebuilds("overlapped") and c.megatron_rebuilds("sync") and not c.megatron_rebuilds("forced")
+    assert c.replay_sets_grad_added_to_main_grad and c.per_layer_input_buffer_reuse
+    assert c.where["per_layer_input_buffer_reuse"] == "megatron/core/transformer/cuda_graphs.py:995"
+    assert fused_wgrad_graph_safety(impl="local", full_iteration=False, capabilities=c)[0]
+
+
+@pytest.mark.parametrize("version, force_sync, why", [
+    ("0.18.0", True, "outside the tested series (0.16.x)"),
+    ("0.16.1", False, "do not have the tested parameters"),
+    ("not a version", True, "could not be read"),
+])
+def test_capabilities_fail_closed_when_unsure_and_say_so_once(monkeypatch, version, force_sync, why):
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities, per_layer_refusal
+
+    _fake_megatron_core(monkeypatch, version, force_sync=force_sync)
+    with pytest.warns(UserWarning, match="assuming the safe choice") as record:
+        c = megatron_capabilities()
+        again = megatron_capabilities()
+    assert len(record) == 1 and why in str(record[0].message)
+    assert c == again and not c.tested and c.where == {}
+    # Every all-gather path is refreshed by us, fused wgrad accumulation is off under per-layer graphs, and the
+    # whole-iteration graph is preferred to per-layer graphs.
+    assert not any(c.megatron_rebuilds(p) for p in ("overlapped", "sync", "forced"))
+    safe, reason = fused_wgrad_graph_safety(impl="local", full_iteration=False, capabilities=c)
+    assert not safe and "not a tested version" in reason
+    assert c.per_layer_input_buffer_reuse and "not a version whose per-layer CUDA graphs were checked" in (
+        per_layer_refusal(c) or "")
+    ddp = FakeDDP(overlap=True)
+    handle = install_param_gather_refresh([ddp], capabilities=c)
+    assert handle.paths == {"overlapped", "sync", "forced"}
+    handle.remove()
+
+
+def test_capabilities_without_the_whole_iteration_graph_keep_per_layer_graphs(monkeypatch):
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities, per_layer_refusal
+
+    _fake_megatron_core(monkeypatch, "0.13.0", full_graph=False)
+    with pytest.warns(UserWarning, match="assuming the safe choice"):
+        c = megatron_capabilities()
+    assert not c.full_cuda_graph_wrapper and not c.per_layer_input_buffer_reuse and per_layer_refusal(c) is None
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Lightning callbacks on Megatron chunks
 # ------------------------------------------------------------------------------------------------------------
 
@@ -253,8 +348,8 @@ class _NoStepHooks:
 
 
 def test_align_pipeline_transposes_on_megatron_chunks_forces_nothing_and_needs_no_step_hook(monkeypatch):
-    from nemo_cudagraph_plugin import megatron as mod
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron import capabilities as mod
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     monkeypatch.setattr(mod, "megatron_capabilities", lambda: caps(rebuild=True))
     chunks = nn.ModuleList([FakeDDP(), FakeDDP()])
@@ -280,8 +375,8 @@ def test_align_pipeline_transposes_on_megatron_chunks_forces_nothing_and_needs_n
 
 
 def test_fp8_param_gather_refresh_callback(monkeypatch):
-    from nemo_cudagraph_plugin import megatron as mod
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import Fp8ParamGatherRefresh
+    from nemo_cudagraph_plugin.integrations.megatron import capabilities as mod
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import Fp8ParamGatherRefresh
 
     monkeypatch.setattr(mod, "megatron_capabilities", lambda: caps(rebuild=True))
     ddp = FakeDDP()
@@ -311,7 +406,7 @@ nemo_only = pytest.mark.nemo
 @nemo_only
 def test_capabilities_read_from_megatron_core_0161():
     _need("megatron.core")
-    from nemo_cudagraph_plugin.megatron import megatron_capabilities
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities
 
     c = megatron_capabilities()
     assert c is not None and c.version == "0.16.1"
@@ -335,8 +430,10 @@ def test_full_iteration_forward_backward_refuses_what_would_not_engage():
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from nemo_cudagraph_plugin.megatron import full_iteration_forward_backward
-    from nemo_cudagraph_plugin.nemo import apply_megatron_graph_fields
+    from nemo_cudagraph_plugin.integrations.megatron import (
+        apply_megatron_graph_fields,
+        full_iteration_forward_backward,
+    )
 
     def cfg(**kw):
         return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **kw)
@@ -361,7 +458,7 @@ def test_full_iteration_callback_on_a_real_nemo_megatron_step(monkeypatch):
     _need("nemo.lightning")
     from nemo.lightning.megatron_parallel import CallbackConnector, MegatronStep
 
-    from nemo_cudagraph_plugin.lightning import pipeline_callback as pc
+    from nemo_cudagraph_plugin.integrations.megatron import callbacks as pc
 
     built = []
 

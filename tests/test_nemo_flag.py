@@ -1,4 +1,4 @@
-"""Tests of the NeMo recipe flag (``nemo_cudagraph_plugin.nemo``).
+"""Tests of the NeMo recipe flag (``nemo_cudagraph_plugin.integrations.nemo``).
 
 Two groups:
 
@@ -27,11 +27,17 @@ import warnings
 
 import pytest
 
-from nemo_cudagraph_plugin import nemo as flag
-from nemo_cudagraph_plugin.megatron import per_layer_parity_note, per_layer_refusal
-from nemo_cudagraph_plugin.nemo import (
-    add_cuda_graph_argument,
+from nemo_cudagraph_plugin.integrations import _fiddle
+from nemo_cudagraph_plugin.integrations import nemo as flag
+from nemo_cudagraph_plugin.integrations.megatron import (
+    apply_megatron_graph_fields,
+    per_layer_parity_note,
+    per_layer_refusal,
     plan_megatron_graph_fields,
+)
+from nemo_cudagraph_plugin.integrations.nemo import (
+    _editor,
+    add_cuda_graph_argument,
     with_cuda_graph,
     with_cuda_graph_arg,
 )
@@ -172,7 +178,7 @@ class Mcore016Config(Mcore016Fields):
 
 
 def _caps(replay_sets: bool):
-    from nemo_cudagraph_plugin.megatron import MegatronCapabilities
+    from nemo_cudagraph_plugin.integrations.megatron import MegatronCapabilities
 
     return MegatronCapabilities(
         version="test", te_post_all_gather_processing=True, rebuild_after_overlapped_gather=True,
@@ -184,29 +190,29 @@ def _caps(replay_sets: bool):
 
 def test_apply_fields_to_a_plain_config_object():
     cfg = Mcore016Config()
-    setup = flag.apply_megatron_graph_fields(cfg, warmup_steps=2, capabilities=None)
+    setup = apply_megatron_graph_fields(cfg, warmup_steps=2, capabilities=None)
     assert (cfg.cuda_graph_impl, cfg.cuda_graph_warmup_steps, cfg.use_te_rng_tracker) == ("local", 2, True)
     assert [c.path for c in setup.changes] == ["config.cuda_graph_impl", "config.cuda_graph_warmup_steps",
                                                 "config.use_te_rng_tracker"]
     # per-layer graphs: said to differ from eager (measured on the GPU), with the scope that does not
     assert setup.full_iteration is False and setup.scope == [] and setup.notes == [per_layer_parity_note(None)]
     assert "full_iteration" in setup.notes[0] and "bit for bit" in setup.notes[0]
-    again = flag.apply_megatron_graph_fields(cfg, warmup_steps=2, capabilities=None)
+    again = apply_megatron_graph_fields(cfg, warmup_steps=2, capabilities=None)
     assert again.changes == []  # idempotent
-    full = flag.apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=None)
+    full = apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=None)
     assert full.full_iteration and full.scope == ["full_iteration"] and full.notes == []
 
 
 def test_per_layer_graphs_on_a_megatron_core_that_reuses_saved_inputs(caplog):
-    # A megatron-core whose forward capture returns saved-for-backward inputs to its pool (0.16.1, read from its code).
+    # A megatron-core whose forward capture returns saved-for-backward inputs to its pool (0.16.1, a tested version).
     reuse = dataclasses.replace(_caps(True), per_layer_input_buffer_reuse=True, version="0.16.1",
                                 where={"per_layer_input_buffer_reuse": "megatron/core/transformer/cuda_graphs.py:995"})
     why = per_layer_refusal(reuse)
     assert "cuda_graphs.py:995" in why and why.startswith("megatron-core 0.16.1's per-layer CUDA graphs")
     # The flag's default (no scope): the whole-iteration graph instead, said with the reason.
     cfg = Mcore016Config()
-    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
-        setup = flag.apply_megatron_graph_fields(cfg, capabilities=reuse, path="model.config")
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.integrations"):
+        setup = apply_megatron_graph_fields(cfg, capabilities=reuse, path="model.config")
     assert setup.full_iteration and cfg.cuda_graph_scope == "full_iteration" and cfg.cuda_graph_impl == "local"
     assert setup.notes[0].startswith("model.config.cuda_graph_scope set to 'full_iteration'") and why in setup.notes[0]
     assert "cuda_graphs.py:995" in caplog.text
@@ -215,28 +221,28 @@ def test_per_layer_graphs_on_a_megatron_core_that_reuses_saved_inputs(caplog):
     # A per-layer scope the user asked for: refused, in the config's own name, with what to use instead.
     cfg = Mcore016Config()
     with pytest.raises(ValueError) as err:
-        flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"], capabilities=reuse, path="model.config")
+        apply_megatron_graph_fields(cfg, scope=["attn", "mlp"], capabilities=reuse, path="model.config")
     msg = str(err.value)
     assert msg.startswith("model.config.cuda_graph_scope=['attn', 'mlp'] with cuda_graph_impl='local'")
     assert why in msg and "scope=['full_iteration']" in msg and "yourself" in msg
     assert cfg.cuda_graph_impl == "none"  # nothing was set
     # A dropless MoE config can have neither: refused with both reasons.
     with pytest.raises(ValueError) as err:
-        flag.apply_megatron_graph_fields(Mcore016Config(num_moe_experts=8, moe_token_dispatcher_type="alltoall"),
+        apply_megatron_graph_fields(Mcore016Config(num_moe_experts=8, moe_token_dispatcher_type="alltoall"),
                                          capabilities=reuse)
     assert "cuda_graphs.py:995" in str(err.value) and "dropless" in str(err.value)
     # Asked for the whole iteration, or TE's graphs (impl="transformer_engine", not measured): nothing said.
-    assert flag.apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=reuse).notes == []
-    te = flag.apply_megatron_graph_fields(Mcore016Config(), impl="transformer_engine", capabilities=reuse)
+    assert apply_megatron_graph_fields(Mcore016Config(), scope=["full_iteration"], capabilities=reuse).notes == []
+    te = apply_megatron_graph_fields(Mcore016Config(), impl="transformer_engine", capabilities=reuse)
     assert te.notes == [] and not te.full_iteration
     # A megatron-core that keeps those buffers: per-layer graphs, nothing known against them, nothing said.
     assert per_layer_refusal(_caps(True)) is None
-    kept = flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=_caps(True))
+    kept = apply_megatron_graph_fields(Mcore016Config(), capabilities=_caps(True))
     assert kept.notes == [] and not kept.full_iteration
     # megatron-core unreadable: per-layer graphs, with the measured warning.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
-        setup = flag.apply_megatron_graph_fields(Mcore016Config(), capabilities=None)
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.integrations"):
+        setup = apply_megatron_graph_fields(Mcore016Config(), capabilities=None)
     assert setup.notes == [per_layer_parity_note(None)] and "bit for bit" in caplog.text and not setup.full_iteration
     assert per_layer_parity_note(reuse) is None and per_layer_refusal(None) is None
 
@@ -245,61 +251,61 @@ def test_fused_wgrad_accumulation_decision_seed_000(caplog):
     # Megatron-LM #1279: a per-layer graph replay that does not restore TE's grad_added_to_main_grad lets Megatron
     # DDP's hook add TE's uninitialised placeholder wgrad into main_grad: the flag turns the fusion off there.
     cfg = Mcore016Config(gradient_accumulation_fusion=True)
-    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
-        setup = flag.apply_megatron_graph_fields(cfg, capabilities=_caps(replay_sets=False))
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.integrations"):
+        setup = apply_megatron_graph_fields(cfg, capabilities=_caps(replay_sets=False))
     assert cfg.gradient_accumulation_fusion is False
     assert "#1279" in caplog.text and "placeholder wgrad" in caplog.text
     assert any(c.path == "config.gradient_accumulation_fusion" for c in setup.changes)
     # A megatron-core whose replay restores the attribute (0.16.1: cuda_graphs.py:657): kept.
     cfg = Mcore016Config(gradient_accumulation_fusion=True)
-    flag.apply_megatron_graph_fields(cfg, capabilities=_caps(replay_sets=True))
+    apply_megatron_graph_fields(cfg, capabilities=_caps(replay_sets=True))
     assert cfg.gradient_accumulation_fusion is True
     # Whole iteration: the DDP hook runs at capture only, replays never read the attribute: kept.
     cfg = Mcore016Config(gradient_accumulation_fusion=True)
-    flag.apply_megatron_graph_fields(cfg, scope=["full_iteration"], capabilities=_caps(replay_sets=False))
+    apply_megatron_graph_fields(cfg, scope=["full_iteration"], capabilities=_caps(replay_sets=False))
     assert cfg.gradient_accumulation_fusion is True
     # Unknown megatron-core: not known to be safe, so off.
     cfg = Mcore016Config(gradient_accumulation_fusion=True)
-    flag.apply_megatron_graph_fields(cfg, capabilities=None)
+    apply_megatron_graph_fields(cfg, capabilities=None)
     assert cfg.gradient_accumulation_fusion is False
 
 
 def test_moe_scope_rules_on_a_plain_config(caplog):
     dropless = dict(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
     cfg = Mcore016Config(**dropless)
-    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
-        setup = flag.apply_megatron_graph_fields(cfg, capabilities=None)
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.integrations"):
+        setup = apply_megatron_graph_fields(cfg, capabilities=None)
     assert cfg.cuda_graph_scope == "attn,moe_router" and "dropless" in setup.notes[0]
     assert "reads per-expert token counts on the host" in caplog.text
     with pytest.raises(ValueError, match="dropless.*drop-and-pad"):
-        flag.apply_megatron_graph_fields(Mcore016Config(**dropless), scope=["full_iteration"], capabilities=None)
+        apply_megatron_graph_fields(Mcore016Config(**dropless), scope=["full_iteration"], capabilities=None)
     # A capacity factor without padding: megatron-core refuses the router graph with alltoall under impl='local'.
     cfg = Mcore016Config(**dropless, moe_expert_capacity_factor=1.0)
-    flag.apply_megatron_graph_fields(cfg, capabilities=None)
+    apply_megatron_graph_fields(cfg, capabilities=None)
     assert cfg.cuda_graph_scope == "attn"
     # ... which the TE implementation allows.
     cfg = Mcore016Config(**dropless, moe_expert_capacity_factor=1.0)
-    flag.apply_megatron_graph_fields(cfg, impl="transformer_engine", capabilities=None)
+    apply_megatron_graph_fields(cfg, impl="transformer_engine", capabilities=None)
     assert cfg.cuda_graph_scope == "attn,moe_router"
     # Drop-and-pad: no host sync in the dispatcher, the whole layer (and the whole iteration) is fine.
     padded = dict(dropless, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     cfg = Mcore016Config(**padded)
-    notes = flag.apply_megatron_graph_fields(cfg, capabilities=None).notes
+    notes = apply_megatron_graph_fields(cfg, capabilities=None).notes
     assert notes == [per_layer_parity_note(None)] and cfg.cuda_graph_scope == "full"
-    assert flag.apply_megatron_graph_fields(Mcore016Config(**padded), scope=["full_iteration"],
+    assert apply_megatron_graph_fields(Mcore016Config(**padded), scope=["full_iteration"],
                                             capabilities=None).full_iteration
     # An explicit scope is the user's (megatron-core validates the moe scopes itself); 'attn' alone is noted.
     cfg = Mcore016Config(**dropless)
-    setup = flag.apply_megatron_graph_fields(cfg, scope=["attn"], capabilities=None)
+    setup = apply_megatron_graph_fields(cfg, scope=["attn"], capabilities=None)
     assert cfg.cuda_graph_scope == "attn" and "only dense layers are graphed" in setup.notes[0]
     # Not MoE: nothing said.
-    assert flag.apply_megatron_graph_fields(Mcore016Config(num_moe_experts=1), capabilities=None).notes == [
+    assert apply_megatron_graph_fields(Mcore016Config(num_moe_experts=1), capabilities=None).notes == [
         per_layer_parity_note(None)]
 
 
 def test_module_imports_without_nemo_nemo_run_or_fiddle():
     code = (
-        "import sys, nemo_cudagraph_plugin.nemo as m; "
+        "import sys, nemo_cudagraph_plugin.integrations.nemo as m; "
         "bad = [k for k in ('nemo', 'nemo_run', 'fiddle', 'megatron') if k in sys.modules]; "
         "assert not bad, bad; print('ok')"
     )
@@ -352,7 +358,7 @@ def test_with_cuda_graph_input_errors():
 def test_plugin_class_with_or_without_nemo_run(caplog):
     cls = flag.CudaGraphPlugin
     assert cls is flag.CudaGraphPlugin  # made once
-    assert cls.__module__ == "nemo_cudagraph_plugin.nemo" and cls.__qualname__ == "CudaGraphPlugin"
+    assert cls.__module__ == "nemo_cudagraph_plugin.integrations.nemo.plugin" and cls.__qualname__ == "CudaGraphPlugin"
     if importlib.util.find_spec("nemo_run") is not None:
         import nemo_run as run
 
@@ -360,7 +366,7 @@ def test_plugin_class_with_or_without_nemo_run(caplog):
     with pytest.raises(TypeError):
         cls(False)  # keyword-only, like NeMo's plugins
     plugin = cls(impl="local", options={"warmup_steps": 2})
-    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.integrations"):
         plugin.setup(object(), None)
     assert "has no effect" in caplog.text
 
@@ -399,10 +405,10 @@ def recipe(llm, tmp_path):
 def keeps_inputs(monkeypatch):
     """The installed megatron-core (0.16.1) as one whose per-layer forward capture keeps the buffers TE saved for the
     backward (what megatron-core 0.18 does): the flag's per-layer logic then runs as it would there."""
-    import nemo_cudagraph_plugin.megatron as mg
+    import nemo_cudagraph_plugin.integrations.megatron.capabilities as mg
 
     real = mg.megatron_capabilities()
-    assert real is not None and real.per_layer_input_buffer_reuse  # 0.16.1, read from its code
+    assert real is not None and real.per_layer_input_buffer_reuse  # 0.16.1, a tested version
     monkeypatch.setattr(mg, "megatron_capabilities",
                         lambda: dataclasses.replace(real, per_layer_input_buffer_reuse=False))
 
@@ -440,12 +446,12 @@ def test_llama3_8b_default_on_megatron_core_0161_is_the_whole_iteration_graph(re
     from megatron.core.transformer.enums import CudaGraphScope
 
     original = copy.deepcopy(recipe)
-    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.integrations"):
         with_cuda_graph(recipe)
     # megatron-core 0.16.1's per-layer graphs do not reproduce eager training (its code hands TE's saved inputs back
     # to the reuse pool): the flag's default is the whole-iteration graph, said with the reason and the line.
     assert "cuda_graph_scope set to 'full_iteration'" in caplog.text and "cuda_graphs.py:995" in caplog.text
-    assert [flag._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback", "MegatronFullIterationGraph"]
+    assert [_editor._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback", "MegatronFullIterationGraph"]
     assert recipe.trainer.strategy.ddp.check_for_nan_in_grad is False  # a host read inside the captured step
     model = flag.check_on_cpu(recipe)
     assert model.config.cuda_graph_impl == "local" and model.config.cuda_graph_scope == [CudaGraphScope.full_iteration]
@@ -460,14 +466,14 @@ def test_llama3_8b_default_on_megatron_core_0161_is_the_whole_iteration_graph(re
 
 @nemo_only
 def test_llama3_8b_flag_passes_megatron_strategy_connect_on_cpu(recipe, caplog, keeps_inputs):
-    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.integrations"):
         out = with_cuda_graph(recipe)
     assert out is recipe
     assert recipe.model.config.cuda_graph_impl == "local"
     assert recipe.model.config.enable_cuda_graph is False
     assert recipe.trainer.strategy.use_te_rng_tracker is True
     # No whole-step capture under MegatronStrategy, and no FP8 care without FP8 primary weights.
-    assert [flag._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback"]
+    assert [_editor._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback"]
     # Megatron DDP's NaN check stays: it runs outside megatron-core's per-layer graphs.
     assert recipe.trainer.strategy.ddp.check_for_nan_in_grad is True
     assert "model.config.cuda_graph_impl: 'none' -> 'local'" in caplog.text
@@ -483,26 +489,26 @@ def test_llama3_8b_flag_passes_megatron_strategy_connect_on_cpu(recipe, caplog, 
 def test_apply_fields_on_a_real_transformer_config_and_detected_capabilities(llm):
     from megatron.core.transformer.enums import CudaGraphScope
 
-    from nemo_cudagraph_plugin.megatron import megatron_capabilities
+    from nemo_cudagraph_plugin.integrations.megatron import megatron_capabilities
 
     cfg = _mcore_config(gradient_accumulation_fusion=True)
     with pytest.raises(ValueError, match=r"returns each layer's input buffer to the reuse pool \(megatron/core/"
                                          r"transformer/cuda_graphs.py:995\)"):
-        flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"])  # "detect": reads megatron-core 0.16.1
+        apply_megatron_graph_fields(cfg, scope=["attn", "mlp"])  # "detect": reads megatron-core 0.16.1
     assert cfg.cuda_graph_impl == "none"
-    setup = flag.apply_megatron_graph_fields(cfg)  # the default there: the whole iteration
+    setup = apply_megatron_graph_fields(cfg)  # the default there: the whole iteration
     assert setup.full_iteration and "cuda_graphs.py:995" in setup.notes[0]
     # On a megatron-core that keeps those buffers (0.16.1 read as such), the per-layer scope is set.
     keeps = dataclasses.replace(megatron_capabilities(), per_layer_input_buffer_reuse=False)
     cfg = _mcore_config(gradient_accumulation_fusion=True)
-    setup = flag.apply_megatron_graph_fields(cfg, scope=["attn", "mlp"], capabilities=keeps)
+    setup = apply_megatron_graph_fields(cfg, scope=["attn", "mlp"], capabilities=keeps)
     cfg.__post_init__()  # as MegatronStrategy.connect() does
     assert cfg.cuda_graph_impl == "local" and cfg.use_te_rng_tracker is True
     assert cfg.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.mlp]
     # megatron-core 0.16.1 restores grad_added_to_main_grad after each per-layer replay: the fusion stays on.
     assert cfg.gradient_accumulation_fusion is True and setup.notes == []
     full = _mcore_config()
-    flag.apply_megatron_graph_fields(full, scope=["full_iteration"])
+    apply_megatron_graph_fields(full, scope=["full_iteration"])
     full.__post_init__()
     assert full.cuda_graph_scope == [CudaGraphScope.full_iteration]
 
@@ -538,7 +544,7 @@ def test_mixtral_moe_recipe_scope_is_restricted_with_the_reason(llm, tmp_path, c
     unguarded = copy.deepcopy(recipe)
     unguarded.model.config.cuda_graph_impl = "local"
     assert on_cpu(unguarded).config.cuda_graph_scope == []
-    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.WARNING, logger="nemo_cudagraph_plugin.integrations"):
         with_cuda_graph(recipe)
     assert recipe.model.config.cuda_graph_scope == "attn,moe_router"
     assert "dropless" in caplog.text and "token counts on the host" in caplog.text
@@ -571,7 +577,7 @@ def test_llama3_8b_scope_and_warmup(recipe, keeps_inputs):
     model = flag.check_on_cpu(recipe)
     assert model.config.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.mlp]
     assert model.config.cuda_graph_warmup_steps == 5
-    assert "MegatronFullIterationGraph" not in [flag._name(c) for c in recipe.trainer.callbacks]
+    assert "MegatronFullIterationGraph" not in [_editor._name(c) for c in recipe.trainer.callbacks]
 
 
 @nemo_only
@@ -579,11 +585,11 @@ def test_llama3_8b_full_iteration_wires_the_step_wrapper(recipe, caplog):
     from megatron.core.transformer.enums import CudaGraphScope
 
     original = copy.deepcopy(recipe)
-    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.integrations"):
         with_cuda_graph(recipe, scope=["full_iteration"], warmup_steps=2)
     # NeMo 2.7 would capture nothing (it wants the string scope with enable_cuda_graph, which megatron-core
     # 0.16 forbids): the flag adds the callback that wraps each training step in FullCudaGraphWrapper.
-    assert [flag._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback", "MegatronFullIterationGraph"]
+    assert [_editor._name(c) for c in recipe.trainer.callbacks] == ["TimingCallback", "MegatronFullIterationGraph"]
     assert recipe.model.config.cuda_graph_scope == "full_iteration"
     assert recipe.trainer.strategy.ddp.check_for_nan_in_grad is False  # a host read inside the captured step
     assert "FullCudaGraphWrapper" in caplog.text
@@ -593,7 +599,7 @@ def test_llama3_8b_full_iteration_wires_the_step_wrapper(recipe, caplog):
     assert model.config.cuda_graph_warmup_steps == 2
     import fiddle as fdl
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import MegatronFullIterationGraph
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import MegatronFullIterationGraph
 
     assert isinstance(fdl.build(recipe.trainer.callbacks[-1]), MegatronFullIterationGraph)
     with_cuda_graph(recipe, enabled=False)
@@ -621,15 +627,15 @@ def test_idempotent_and_undo_restores_exactly(recipe, caplog):
     original = copy.deepcopy(recipe)
     with_cuda_graph(recipe, warmup_steps=2)
     once = copy.deepcopy(recipe)
-    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.integrations"):
         with_cuda_graph(recipe, warmup_steps=2)
     assert recipe == once
     assert "nothing to change" in caplog.text
     assert recipe != original
     with_cuda_graph(recipe, enabled=False)
     assert recipe == original
-    assert flag._explicit(recipe.model.config, "cuda_graph_impl") == flag._UNSET  # unset again, not "none"
-    assert flag._RECORD not in recipe.__dict__
+    assert _fiddle._explicit(recipe.model.config, "cuda_graph_impl") == _fiddle._UNSET  # unset again, not "none"
+    assert _editor._RECORD not in recipe.__dict__
     with_cuda_graph(recipe, enabled=False)  # undoing twice is harmless too
     assert recipe == original
 
@@ -640,13 +646,13 @@ def test_fp8_recipe_gets_transpose_care_and_serializes(recipe, run, request):
     from nemo_run.core.serialization.yaml import YamlSerializer
     from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     recipe.trainer.plugins.fp8 = "hybrid"
     recipe.trainer.plugins.fp8_param_gather = True
     assert recipe.trainer.strategy.pipeline_model_parallel_size == 1
     # The default on megatron-core 0.16.1 is the whole-iteration graph anyway (cuda_graphs.py:995).
-    assert "MegatronFullIterationGraph" in [flag._name(c) for c in with_cuda_graph(copy.deepcopy(recipe)).trainer.callbacks]
+    assert "MegatronFullIterationGraph" in [_editor._name(c) for c in with_cuda_graph(copy.deepcopy(recipe)).trainer.callbacks]
     # Per-layer graphs fail on FP8 primary weights (measured, megatron-core 0.16.1 + TE 2.20.2): on a megatron-core
     # that would allow them otherwise, refused before anything is edited, pointing at the whole-iteration graph.
     before = copy.deepcopy(recipe)
@@ -659,23 +665,23 @@ def test_fp8_recipe_gets_transpose_care_and_serializes(recipe, run, request):
     # transposes at all-gather completion); only the completion-path refresh for the gaps (forced syncs).
     pp1 = copy.deepcopy(recipe)
     with_cuda_graph(pp1, scope=full)
-    assert [flag._name(c) for c in pp1.trainer.callbacks] == [
+    assert [_editor._name(c) for c in pp1.trainer.callbacks] == [
         "TimingCallback", "MegatronFullIterationGraph", "Fp8ParamGatherRefresh"]
-    assert [flag._name(c) for c in with_cuda_graph(copy.deepcopy(recipe), scope=full, fp8_refresh=True).trainer.callbacks] == [
+    assert [_editor._name(c) for c in with_cuda_graph(copy.deepcopy(recipe), scope=full, fp8_refresh=True).trainer.callbacks] == [
         "TimingCallback", "MegatronFullIterationGraph", "AlignPipelineTransposes"]  # asked for explicitly
-    assert [flag._name(c) for c in with_cuda_graph(copy.deepcopy(recipe), scope=full, fp8_refresh=False).trainer.callbacks] == [
+    assert [_editor._name(c) for c in with_cuda_graph(copy.deepcopy(recipe), scope=full, fp8_refresh=False).trainer.callbacks] == [
         "TimingCallback", "MegatronFullIterationGraph"]
     recipe.trainer.strategy.pipeline_model_parallel_size = 2
     original = copy.deepcopy(recipe)
     with_cuda_graph(recipe, scope=full)
     with_cuda_graph(recipe, scope=full)
-    names = [flag._name(c) for c in recipe.trainer.callbacks]
+    names = [_editor._name(c) for c in recipe.trainer.callbacks]
     assert names == ["TimingCallback", "MegatronFullIterationGraph", "AlignPipelineTransposes"]
     # YAML: the dump names our callback; each callback entry loads back equal (nemo_run 0.11's YAML loader
     # cannot parse a *list* of configs, NeMo's own TimingCallback included, so entries are loaded one by one).
     text = YamlSerializer().serialize(recipe)
     entries = yaml.safe_load(text)["trainer"]["callbacks"]
-    assert entries[-1] == {"_target_": "nemo_cudagraph_plugin.lightning.pipeline_callback.AlignPipelineTransposes"}
+    assert entries[-1] == {"_target_": "nemo_cudagraph_plugin.integrations.megatron.callbacks.AlignPipelineTransposes"}
     back = [YamlSerializer().deserialize(yaml.safe_dump(e)) for e in entries]
     assert back == list(recipe.trainer.callbacks)
     model_back = YamlSerializer().deserialize(YamlSerializer().serialize(recipe.model))
@@ -698,11 +704,11 @@ def test_undo_after_serialization_turns_graphs_off(recipe, caplog):
     z = ZlibJSONSerializer()
     with_cuda_graph(recipe, fp8_refresh=True)
     shipped = z.deserialize(z.serialize(recipe))
-    assert flag._RECORD not in shipped.__dict__  # the record does not travel
-    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+    assert _editor._RECORD not in shipped.__dict__  # the record does not travel
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.integrations"):
         with_cuda_graph(shipped, enabled=False)
     assert shipped.model.config.cuda_graph_impl == "none"
-    assert [flag._name(c) for c in shipped.trainer.callbacks] == ["TimingCallback"]
+    assert [_editor._name(c) for c in shipped.trainer.callbacks] == ["TimingCallback"]
     assert shipped.trainer.strategy.use_te_rng_tracker is True
     assert "left trainer.strategy.use_te_rng_tracker=True" in caplog.text
     assert flag.check_on_cpu(shipped).config.cuda_graph_impl == "none"
@@ -731,7 +737,7 @@ def test_nemo_run_plugin_edits_task_and_executor(recipe, run):
     script = run.Script(inline="echo hi")
     flag.CudaGraphPlugin().setup(script, run.LocalExecutor())  # a Script is left alone (warning)
     flag.CudaGraphPlugin(enabled=False).setup(recipe, executor)
-    assert flag._explicit(recipe.model.config, "cuda_graph_impl") == flag._UNSET
+    assert _fiddle._explicit(recipe.model.config, "cuda_graph_impl") == _fiddle._UNSET
 
 
 @nemo_only
@@ -776,7 +782,7 @@ def test_lightning_tree_callback_mode_builds_trains_and_undoes(run, fdl, caplog)
 
     recipe = _lightning_recipe(run, detect_anomaly=True)
     original = copy.deepcopy(recipe)
-    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.nemo"):
+    with caplog.at_level(logging.INFO, logger="nemo_cudagraph_plugin.integrations"):
         with_cuda_graph(recipe, warmup_steps=2, nan_check_every=10)
     assert "trainer.detect_anomaly: True -> False" in caplog.text
     [cb] = recipe.trainer.callbacks
@@ -787,7 +793,7 @@ def test_lightning_tree_callback_mode_builds_trains_and_undoes(run, fdl, caplog)
         with_cuda_graph(recipe, mode="strategy")
     # refused before any edit: still one callback, the strategy not wrapped
     assert len(recipe.trainer.callbacks) == 1
-    assert not flag._is_ours(flag._get(recipe.trainer, "strategy"), "CudaGraphStrategy")
+    assert not _editor._is_ours(_fiddle._get(recipe.trainer, "strategy"), "CudaGraphStrategy")
     # The built task trains (eagerly on this CPU machine, as the callback says) with our callback in it.
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -798,7 +804,7 @@ def test_lightning_tree_callback_mode_builds_trains_and_undoes(run, fdl, caplog)
     assert any("training eagerly" in str(w.message) for w in seen)
     with_cuda_graph(recipe, enabled=False)
     assert recipe == original
-    assert flag._explicit(recipe.trainer, "callbacks") == flag._UNSET
+    assert _fiddle._explicit(recipe.trainer, "callbacks") == _fiddle._UNSET
 
 
 @nemo_only

@@ -35,17 +35,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8_doubles  # noqa: E402  (the FP8 helper's CPU doubles of Float8Tensor)
 
-from nemo_cudagraph_plugin.megatron import install_param_sync_hook, make_param_sync_hook  # noqa: E402
-from nemo_cudagraph_plugin.pipeline import (  # noqa: E402
+from nemo_cudagraph_plugin.diagnostics import (  # noqa: E402
     MicrobatchTimer,
     StageTimingReport,
+    format_timing_table,
+    gather_timing_reports,
+)
+from nemo_cudagraph_plugin.fp8.pipeline import (  # noqa: E402
     TransposeAligner,
     align_fp8_transposes,
     chunk_parameters,
-    format_timing_table,
-    gather_timing_reports,
     sync_pipeline_group,
 )
+from nemo_cudagraph_plugin.integrations.megatron import install_param_sync_hook, make_param_sync_hook  # noqa: E402
 
 D = 8  # activation width
 STEPS = 3  # optimizer steps per phase (checked: the schedules after steps 1..STEPS)
@@ -355,7 +357,8 @@ def run_pipeline(pp: int, phases: list, tmp_path, timeout: float = 90.0) -> list
     # (the repo root) or installed; otherwise each rank imports it itself, which is only slower.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "nemo_cudagraph_plugin.pipeline", "nemo_cudagraph_plugin.megatron"]
+        ["torch", "torch.distributed", "nemo_cudagraph_plugin.fp8.pipeline", "nemo_cudagraph_plugin.diagnostics",
+         "nemo_cudagraph_plugin.integrations.megatron"]
     )
     init_file = str(tmp_path / "init")
     procs = [ctx.Process(target=_worker, args=(r, pp, init_file, str(tmp_path), phases)) for r in range(pp)]
@@ -604,7 +607,7 @@ def test_group_barrier_is_refused_inside_a_capture(monkeypatch):
     """A barrier blocks the host: inside a capture it would be recorded as nothing (or hang a replay). Asking the
     alignment for it there is refused, naming the call, even where torch.distributed is not initialised; the refresh
     alone (sync_group=False) stays capturable."""
-    import nemo_cudagraph_plugin.pipeline as pipeline
+    import nemo_cudagraph_plugin.fp8.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "_is_capturing", lambda: True)
     chunks = [nn.Linear(2, 2)]
@@ -783,7 +786,7 @@ def test_megatron_hook_as_param_sync_func():
 def _lightning_run(opt_cls, accumulate=1, steps=3, sync_group=False):
     import lightning.pytorch as pl
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     events: list = []
     point = {"p": ("init",)}
@@ -877,7 +880,7 @@ def test_lightning_callback_falls_back_when_step_hooks_do_not_run(accumulate):
 def test_lightning_callback_falls_back_without_register_step_post_hook():
     from types import SimpleNamespace
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     log = PointLog([], {"p": ()})
     chunks = nn.ModuleList([Chunk(0, log, "v0"), Chunk(1, log, "v1")])  # like NeMo's MegatronParallel
@@ -894,7 +897,7 @@ def test_lightning_callback_falls_back_without_register_step_post_hook():
 def test_lightning_callback_warns_without_fp8_and_sync_is_noop():
     import lightning.pytorch as pl
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     class Plain(pl.LightningModule):
         def __init__(self):
@@ -927,7 +930,7 @@ def test_lightning_callback_warns_without_fp8_and_sync_is_noop():
 def test_lightning_callback_finishes_overlapped_param_gather_first():
     import lightning.pytorch as pl
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     log: list = []
 

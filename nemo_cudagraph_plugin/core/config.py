@@ -59,7 +59,7 @@ class CaptureConfig:
         align_pp_transposes: pipeline-parallel training with FP8 primary weights: refresh every FP8
             transpose of every model chunk on every rank right after the optimizer step (captured into
             the step graph), so no stage computes one inside its first microbatch. Implies
-            ``fp8_refresh=True``. For Megatron-core loops use ``nemo_cudagraph_plugin.megatron``.
+            ``fp8_refresh=True``. For Megatron-core loops use ``nemo_cudagraph_plugin.integrations.megatron``.
         memsets_as_kernels: each captured graph's memset nodes (torch's split reductions and cuDNN's attention
             zero their buffers with ``cudaMemsetAsync``) become fill kernels that write the same bytes. In a
             replay the GPU idles 3-4.5 µs after a memset before the next kernel starts, against ~0.5 µs between

@@ -26,7 +26,7 @@ REFUSED_STRATEGIES = {
     "XLAStrategy": "CUDA graphs need a CUDA device",
     "MegatronStrategy": (
         "NeMo's MegatronStrategy drives the step with Megatron's pipeline schedules (a dataloader_iter training step), "
-        "not Lightning's closure; use nemo_cudagraph_plugin.nemo.with_cuda_graph(recipe), which turns on "
+        "not Lightning's closure; use nemo_cudagraph_plugin.integrations.nemo.with_cuda_graph(recipe), which turns on "
         "Megatron-core's own CUDA graphs and keeps our FP8 transpose care"
     ),
 }

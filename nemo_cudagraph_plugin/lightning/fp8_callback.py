@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 
-from nemo_cudagraph_plugin.fp8 import (
+from ..fp8 import (
     Fp8RefreshHandle,
     fp8_refresh_wanted,
     install_fp8_refresh,
@@ -25,7 +25,7 @@ from nemo_cudagraph_plugin.fp8 import (
     refresh_fp8_transposes,
     verify_fp8_transposes,
 )
-from nemo_cudagraph_plugin.fp8.verify import StaleTransposeError
+from ..fp8.verify import StaleTransposeError
 
 __all__ = ["Fp8TransposeRefresh"]
 

@@ -29,8 +29,9 @@ te = pytest.importorskip(
     "transformer_engine.pytorch", reason="TransformerEngine is not installed (pip install '.[te]')"
 )
 
+from nemo_cudagraph_plugin.diagnostics import MicrobatchTimer  # noqa: E402
 from nemo_cudagraph_plugin.fp8 import iter_fp8_params  # noqa: E402
-from nemo_cudagraph_plugin.pipeline import MicrobatchTimer, TransposeAligner, align_fp8_transposes  # noqa: E402
+from nemo_cudagraph_plugin.fp8.pipeline import TransposeAligner, align_fp8_transposes  # noqa: E402
 
 _ok = te.is_fp8_available(return_reason=True)
 _ok, _why = _ok if isinstance(_ok, tuple) else (_ok, "")
@@ -290,7 +291,7 @@ def _replay_and_check(graph, opt, params):
 def test_lightning_callback_refresh_is_captured_with_the_optimizer_step():
     from types import SimpleNamespace
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin.integrations.megatron.callbacks import AlignPipelineTransposes
 
     rec = _recipe()
     model = _stage(rec)

@@ -1,21 +1,25 @@
-"""Lightning callbacks for pipelines and NeMo's ``MegatronStrategy``.
+"""Lightning callbacks for pipelines of Megatron-style model chunks and NeMo's ``MegatronStrategy``.
 
 * :class:`AlignPipelineTransposes`: FP8 weight transposes of every model chunk current before any pipeline
-  stage's first microbatch (see :mod:`nemo_cudagraph_plugin.pipeline`).
+  stage's first microbatch (see :mod:`nemo_cudagraph_plugin.fp8.pipeline`). Megatron-core DDP chunks are
+  refreshed on their all-gather completion path, other chunks right after the optimizer step.
 * :class:`Fp8ParamGatherRefresh`: FP8 transposes refreshed where megatron-core's parameter all-gather
   completes without rebuilding them (the forced sync of NeMo's checkpoint save, older megatron-core).
 * :class:`MegatronFullIterationGraph`: each training step's forward-backward captured as one CUDA graph
   with megatron-core's ``FullCudaGraphWrapper`` (what NeMo 2.7 stopped doing with megatron-core >= 0.16).
 
+They live here, not in :mod:`nemo_cudagraph_plugin.lightning`, because they reach into Megatron-core's DDP
+chunks (Lightning has no pipeline parallelism of its own: the stages come from Megatron/NeMo).
+
 Example::
 
-    from nemo_cudagraph_plugin.lightning.pipeline_callback import AlignPipelineTransposes
+    from nemo_cudagraph_plugin import AlignPipelineTransposes
 
     trainer = L.Trainer(callbacks=[AlignPipelineTransposes(sync_group=True)], ...)
 
 With NeMo's ``MegatronStrategy`` the model chunks are the strategy's ``MegatronParallel`` list
 (all virtual stages); otherwise the LightningModule. Pass ``model_chunks=`` to choose.
-``nemo_cudagraph_plugin.nemo.with_cuda_graph`` adds these to NeMo recipes where they apply.
+``nemo_cudagraph_plugin.integrations.nemo.with_cuda_graph`` adds these to NeMo recipes where they apply.
 """
 
 from __future__ import annotations
@@ -26,20 +30,11 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch import nn
 
-from nemo_cudagraph_plugin.megatron import (
-    ParamGatherRefresh,
-    ParamSyncHook,
-    default_pp_group,
-    find_megatron_ddp,
-    full_iteration_forward_backward,
-    install_param_gather_refresh,
-)
-from nemo_cudagraph_plugin.pipeline import (
-    ModelChunks,
-    TransposeAligner,
-    chunk_parameters,
-    sync_pipeline_group,
-)
+from ...fp8 import Fp8RefreshPlan
+from ...fp8.pipeline import ModelChunks, TransposeAligner, chunk_parameters, sync_pipeline_group
+from .full_iteration import full_iteration_forward_backward
+from .param_gather import ParamGatherRefresh, find_megatron_ddp, install_param_gather_refresh
+from .param_sync import ParamSyncHook, default_pp_group
 
 __all__ = ["AlignPipelineTransposes", "Fp8ParamGatherRefresh", "MegatronFullIterationGraph"]
 
@@ -68,7 +63,7 @@ class AlignPipelineTransposes(pl.Callback):
     the optimizer step at all: their new FP8 bytes arrive with the parameter all-gather, where
     megatron-core >= 0.16 (with a TransformerEngine that has ``post_all_gather_processing``) rebuilds the
     transposes itself; where it does not (a forced sync, an older megatron-core) the callback refreshes on
-    that completion path (:func:`~nemo_cudagraph_plugin.megatron.install_param_gather_refresh`). No
+    that completion path (:func:`~nemo_cudagraph_plugin.integrations.megatron.install_param_gather_refresh`). No
     all-gather is forced, so ``overlap_param_gather=True`` keeps overlapping the first forward, and no
     torch step hook is needed (NeMo's ``McoreDistributedOptimizer`` never runs one).
 
@@ -140,8 +135,6 @@ class AlignPipelineTransposes(pl.Callback):
         self.gather_refresh = install_param_gather_refresh(megatron) if megatron else None
         n_fp8 = len(self.hook.aligner.plan) if self.hook is not None else 0
         if megatron:
-            from nemo_cudagraph_plugin.fp8 import Fp8RefreshPlan
-
             n_fp8 += len(Fp8RefreshPlan(chunk_parameters(megatron)))
         if n_fp8 == 0:
             warnings.warn(
@@ -213,14 +206,14 @@ class Fp8ParamGatherRefresh(pl.Callback):
     (``megatron/core/distributed/param_and_grad_buffer.py:264``), and NeMo forces one on every checkpoint save
     (``MegatronStrategy.save_checkpoint`` -> ``force_param_sync()``): the step after the save would read
     transposes of the previous weights, even eagerly. This callback installs
-    :func:`~nemo_cudagraph_plugin.megatron.install_param_gather_refresh` on the strategy's chunks at fit start:
+    :func:`~nemo_cudagraph_plugin.integrations.megatron.install_param_gather_refresh` on the strategy's chunks at fit start:
     it refreshes on those paths only (none on an ordinary step when megatron-core rebuilds itself) and never
     forces an all-gather. With pipeline size > 1 use :class:`AlignPipelineTransposes`, which does the same.
 
     Args:
         model_chunks: default: the strategy's ``nn.ModuleList`` of chunks (NeMo ``MegatronParallel``).
 
-    Attributes: ``handle`` (the :class:`~nemo_cudagraph_plugin.megatron.ParamGatherRefresh`, after fit start).
+    Attributes: ``handle`` (the :class:`~nemo_cudagraph_plugin.integrations.megatron.ParamGatherRefresh`, after fit start).
     """
 
     def __init__(self, model_chunks: Optional[ModelChunks] = None) -> None:
@@ -260,7 +253,7 @@ class MegatronFullIterationGraph(pl.Callback):
     (``megatron/core/transformer/transformer_config.py:1711``), so NeMo never wraps. This callback uses NeMo's
     documented ``on_megatron_step_start(step)`` event (every Lightning callback with that method is registered
     by ``MegatronStrategy``): for training steps it sets the step's ``forward_backward_func`` to one
-    :func:`~nemo_cudagraph_plugin.megatron.full_iteration_forward_backward` wrapper, built on the first step.
+    :func:`~nemo_cudagraph_plugin.integrations.megatron.full_iteration_forward_backward` wrapper, built on the first step.
     Validation/prediction steps stay eager.
 
     Captured: all microbatches' forward and backward, DDP's gradient hooks and reduce-scatters, the overlapped
