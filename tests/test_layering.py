@@ -1,4 +1,4 @@
-"""Imports point down only: core <- fp8 <- lightning <- integrations.
+"""Imports point down only: core <- fp8, hf <- lightning <- integrations.
 
 Every ``import`` statement of the package (top level and inside functions) is read with ``ast``, relative imports
 resolved, and checked against the layer of the importing module. ``importlib.import_module`` with a literal name
@@ -19,10 +19,12 @@ ROOT = Path(__file__).resolve().parents[1] / PKG
 # drive a step themselves (Megatron, NeMo) are reached only from integrations; Lightning only from lightning/ up.
 _FRAMEWORKS = ("megatron", "nemo", "nemo_run", "fiddle", f"{PKG}.megatron", f"{PKG}.nemo")
 FORBIDDEN = {
-    "core": (f"{PKG}.fp8", f"{PKG}.lightning", f"{PKG}.integrations", f"{PKG}.diagnostics", "lightning",
-             *_FRAMEWORKS),
+    "core": (f"{PKG}.fp8", f"{PKG}.hf", f"{PKG}.lightning", f"{PKG}.integrations", f"{PKG}.diagnostics", "lightning",
+             "transformers", *_FRAMEWORKS),
     "diagnostics": (f"{PKG}.fp8", f"{PKG}.lightning", f"{PKG}.integrations", "lightning", *_FRAMEWORKS),
-    "fp8": (f"{PKG}.lightning", f"{PKG}.integrations", "lightning", *_FRAMEWORKS),
+    "fp8": (f"{PKG}.hf", f"{PKG}.lightning", f"{PKG}.integrations", "lightning", *_FRAMEWORKS),
+    # Hugging Face models in a captured step: beside fp8, for any adapter to call
+    "hf": (f"{PKG}.fp8", f"{PKG}.lightning", f"{PKG}.integrations", "lightning", *_FRAMEWORKS),
     "lightning": (f"{PKG}.integrations", *_FRAMEWORKS),
 }
 
