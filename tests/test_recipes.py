@@ -632,7 +632,7 @@ def test_a_run_that_replayed_is_graphed_and_gets_a_speedup():
 
 
 def test_a_run_that_replayed_nothing_is_not_called_graphed_and_gets_no_speedup():
-    """The CPU case (issue 16): the plugin was attached but replayed no step, so nothing may say "graphed"."""
+    """The CPU case: the plugin was attached but replayed no step, so nothing may say "graphed"."""
     plugin = SimpleNamespace(eager_reason="no CUDA device is available")
     eager = _result("eager", 20.0, [5.0, 4.0], requested="eager")
     attached = cli.label_run(_result("graphed", 6.0, [5.0, 4.0], requested="graphed", replays=0), plugin,
@@ -709,7 +709,7 @@ def test_cuda_graph_flag_on_cpu_constructs_plugin_and_trains_eagerly(strategy, m
 
 @pytest.mark.skipif(not _plugin_importable(), reason="nemo_cudagraph_plugin.CudaGraphCallback not importable yet")
 def test_compare_on_cpu_says_nothing_was_graphed_in_table_png_and_json(monkeypatch, capsys, tmp_path):
-    """Issue 16: on CPU the second run replays nothing; the table, PNG and JSON must not call it graphed."""
+    """On CPU the second run replays nothing; the table, PNG and JSON must not call it graphed."""
     _need_matplotlib()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = cli.main(["--compare", *FAST, "--steps", "4", "--out", str(tmp_path)])
