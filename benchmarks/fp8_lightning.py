@@ -1,6 +1,6 @@
 """FP8 primary weights under the Lightning engine: does the transpose refresh matter, and what does it cost?
 
-Evidence for issue 4, results 2 and 3 (GPU + TransformerEngine 2.x)::
+docs/results/fp8.md, results 2 and 3 (GPU + TransformerEngine 2.x)::
 
     python3 benchmarks/fp8_lightning.py --out fp8_lightning.json                  # both parts
     python3 benchmarks/fp8_lightning.py --parts overhead --presets small medium   # result 3 only

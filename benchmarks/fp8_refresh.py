@@ -1,6 +1,6 @@
 """FP8 transpose refresh with real TransformerEngine on one GPU: the stale-transpose reproduction.
 
-Evidence for issue 4, result 1 (run on a Hopper GPU with TE >= 2.x installed)::
+The stale-transpose reproduction, docs/results/fp8.md result 1 (run on a Hopper GPU with TE >= 2.x installed)::
 
     python3 benchmarks/fp8_refresh.py --out fp8_refresh.json
 

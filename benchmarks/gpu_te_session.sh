@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU-host session with real TransformerEngine (staged by ../shared/gpu-host/te/prepare.sh into .te/).
+# The TransformerEngine measurements and tests on a GPU host (TE installed by .te/final/install_on_host.sh when it
+# does not import).
 #   bash benchmarks/gpu_te_session.sh [PART ...]     (default: all parts, in this order)
 # Parts: te_install multi_transpose fp8_tests fp8_overhead pp_bench pp_tests step_small capture_tests recipe_fp8
 # Every part has its own time limit and log; a short table is printed last. Results go to $OUT (or
-# out/te_session). te_install is skipped when TE already imports (a warm host from an earlier call).
+# out/te_session). te_install is skipped when TE already imports.
 set -u
 OUT=${OUT:-out/te_session}
 mkdir -p "$OUT"

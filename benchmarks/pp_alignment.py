@@ -16,7 +16,7 @@ microbatches. Prints a table last; ``--out`` writes everything as JSON.
 
 Run (one GPU, TransformerEngine installed)::
 
-    python3 benchmarks/pp_alignment.py --out docs/gpu-evidence/pp_alignment_h200.json
+    python3 benchmarks/pp_alignment.py --out build/pp_alignment.json
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ DEFAULT_VARIANTS = ["lightning_eager", "nemo_callback", "callback", "callback_no
 COMPILE_VARIANTS = ["compile_reduce_overhead", "compile_plus_plugin"]
 CHILD_ONLY = ["floor"]  # the kernel floor alone (used when raw_graph is not among the variants)
 
-# label -> (preset, variant, key, op, want): the goals of issue #14, reported MET / MISSED, never asserted.
+# label -> (preset, variant, key, op, want): the step-time goals, reported MET / MISSED, never asserted.
 TARGETS: dict[str, tuple[str, str, str, str, float]] = {
     "tiny: ours / NeMo (ms per step)": ("tiny", "callback", "vs_nemo", "<=", 1.0),
     "small: ours / NeMo (ms per step)": ("small", "callback", "vs_nemo", "<=", 1.0),

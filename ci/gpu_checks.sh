@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU host, one call: the NaN guard's one-launch check measured alone (benchmarks/nan_guard.py), the GPU tests
+# GPU host: the NaN guard's one-launch check measured alone (benchmarks/nan_guard.py), the GPU tests
 # that guard it and the engine, and the GPU tier of the mutation check (ci/mutants.py --tier gpu).
 #
-#   OUT=/tmp/out bash ci/gpu_checks.sh          (carry .te/final when TransformerEngine is to be installed from
-#                                                 /tmp/te slices: the FP8 mutant and test need it)
+#   OUT=/tmp/out bash ci/gpu_checks.sh          (.te/final/install_on_host.sh installs TransformerEngine when it
+#                                                 does not import: the FP8 mutant and test need it)
 #
 # Each part gets what is left of BUDGET seconds (default 540) minus what the later parts need at least; a part
 # that cannot get its minimum is skipped and says so. NAN_BENCH=0 skips the guard benchmark, MUTANT_ARGS adds

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU host, one call: the GPU test suite on this working tree, and (with OLD=DIR) the same issue tests against an
-# older copy of the package in DIR (reproduce-first evidence: the tests must fail there). Writes JUnit XML and logs
+# GPU host: the GPU test suite on this working tree, and (with OLD=DIR) the same tests against an older copy of
+# the package in DIR (a test written for a fix must fail there). Writes JUnit XML and logs
 # under $OUT and prints one table last.
 #
 #   OUT=/tmp/out bash ci/gpu_tests.sh                          # tests/gpu on this tree

@@ -28,6 +28,10 @@ TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 
 say() { printf '[ci/setup-venv.sh] %s\n' "$*"; }
 
+# The installs print what pip collects and installs (one line a package, no progress bars), so a long download
+# shows what it is doing; only the dry runs that pick the torch build are quiet.
+pip_install() { "$PY" -m pip install --progress-bar off "$@"; }
+
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $($PYTHON --version 2>&1)"
     "$PYTHON" -m venv "$VENV"
@@ -47,8 +51,8 @@ has_gpu() {
 if installed="$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda or "none")' 2>/dev/null)"; then
     say "keeping the torch already in $VENV: $installed"
 elif has_gpu; then
-    say "NVIDIA GPU found: installing $TORCH_SPEC as pip finds it (a CUDA build on PyPI)"
-    "$PY" -m pip install --quiet "${torch_pip_args[@]}" "$TORCH_SPEC"
+    say "NVIDIA GPU found: installing $TORCH_SPEC as pip finds it (a CUDA build on PyPI: about 3 GB, minutes)"
+    pip_install "${torch_pip_args[@]}" "$TORCH_SPEC"
 else
     say "no NVIDIA GPU: installing the CPU build of $TORCH_SPEC"
     report="$(mktemp)"
@@ -63,6 +67,7 @@ names = [i["metadata"]["name"] for i in json.load(open(sys.argv[1])).get("instal
 print(" ".join(n for n in names if n.lower().startswith("nvidia-")))
 PY
     }
+    say "asking pip which build of $TORCH_SPEC it would install (metadata only, nothing downloaded)"
     pulls="$(cuda_parts "${torch_pip_args[@]}")"
     if [ -n "$pulls" ] && [ -z "${TORCH_INDEX_URL:-}" ]; then
         cpu_index="${TORCH_CPU_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
@@ -76,9 +81,10 @@ PY
             "TORCH_INDEX_URL=<index> bash ci/setup-venv.sh" >&2
         exit 1
     fi
-    "$PY" -m pip install --quiet "${torch_pip_args[@]}" "$TORCH_SPEC"
+    say "downloading and installing the CPU build of $TORCH_SPEC (about 200 MB; a minute or two)"
+    pip_install "${torch_pip_args[@]}" "$TORCH_SPEC"
 fi
 
-say "installing the package: pip install -e .[$EXTRAS] (keeps that torch)"
-"$PY" -m pip install --quiet -e ".[$EXTRAS]"
+say "installing the package and its dependencies: pip install -e .[$EXTRAS] (keeps that torch; about a minute)"
+pip_install -e ".[$EXTRAS]"
 "$PY" -c 'import torch; print("[ci/setup-venv.sh] ready:", torch.__version__, "| CUDA build:", torch.version.cuda or "no (CPU)", "| GPU visible:", torch.cuda.is_available())'

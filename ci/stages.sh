@@ -84,6 +84,7 @@ stage_lint() {
 
 stage_unit() {
     unit_venv
+    say "the NeMo recipe tests (marker nemo) are deselected here: they run in the nemo stage, on real NeMo"
     # NCG_REQUIRE_PLOT=1: the PNG tests fail instead of skipping if matplotlib did not install.
     # NCG_REQUIRE_ZOO=1: the Hugging Face tests fail instead of skipping if transformers did not install.
     NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 run_pytest unit "$PY" -m "not gpu and not nemo"

@@ -14,7 +14,8 @@ called ``graphed`` only when the plugin replayed at least one step.
 
 Timing: per-step wall times come from CUDA events (GPU) or ``perf_counter`` (CPU) recorded in
 ``on_train_batch_end``; the only explicit host syncs are at the start and end of the timed window, which skips
-the first ``--timing-skip`` steps (the plugin's warm-up and capture). Per-step losses are copied into a
+the first ``--timing-skip`` steps (the plugin's warm-up and capture). ms/step is the window's mean on a GPU and
+the median of its steps on a CPU, where single start-up steps can take ten times a steady one. Per-step losses are copied into a
 device buffer and read once after training. Note that Lightning itself converts progress-bar metrics
 (``train_loss``) to Python floats after every step, in both modes.
 """
@@ -27,6 +28,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -281,6 +283,17 @@ class StepTimer(Callback):
             return float("nan")
         return self.t1 - self.t0
 
+    def ms_per_step(self) -> float:
+        """Time per step of the timed window: on a GPU its synced wall time over its steps; on a CPU the median
+        of its steps' times, because a CPU process's first steps (allocator, thread pools, lazy imports) can each
+        take seconds, so two runs' means would differ by what start-up fell inside their windows."""
+        measured = self.measured_steps
+        if not measured:
+            return float("nan")
+        if self.cuda:
+            return self.window_s / measured * 1e3
+        return statistics.median(self.step_ms()[self.count - measured:self.count])
+
     def losses(self) -> list[float]:
         return self._losses[: self.count].cpu().tolist()
 
@@ -477,8 +490,7 @@ def run_training(args: argparse.Namespace, *, cuda_graph: bool) -> RunResult:
     losses = timer.losses()
     step_ms = timer.step_ms()
     measured = timer.measured_steps
-    window = timer.window_s
-    ms = window / measured * 1e3 if measured else float("nan")
+    ms = timer.ms_per_step()
     tokens_per_step = cfg.batch_size * cfg.seq_len * args.devices
     stats = _stats_dict(plugin) if plugin is not None else None
     summary = getattr(getattr(plugin, "stats", None), "summary", None)
@@ -670,6 +682,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say("")
     _say(format_summary(results))
     skip_note = f"timed over steps {args.timing_skip + 1}-{args.steps}" if args.timing_skip else "all steps timed"
+    if not args.has_cuda:
+        skip_note += ", ms/step the median step"
     _say(f"({skip_note}; replayed = steps run as a CUDA-graph replay; tokens/s counts batch x seq_len x devices)")
     for r in results:
         if r.not_graphed_reason:

@@ -238,6 +238,30 @@ def test_ci_run_runs_the_cpu_stages_with_the_same_commands():
     assert 'exit "$status"' in text
 
 
+def test_ci_run_summary_prints_the_mutants_verdicts_not_the_stage_timing_line(tmp_path):
+    """The summary quotes ci/mutants.py's verdict line, although ci/stages.sh prints its timing line after it."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(CI_RUN, tmp_path / ".ci" / "run")
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "stages.sh").write_text("""case "$1" in
+  unit) echo "===== 5 passed, 28 deselected in 1.0s =====" ;;
+  mutants) echo "  caught  some-mutant (3 s)"; echo "| table |"; echo "";
+           echo "mutants: 3 of 3 caught (tier cpu) in 9 s"; echo "[ci/stages.sh mutants] passed in 12 s" ;;
+  nemo) echo "===== 2 passed in 1.0s ====="; echo "mutants: 1 of 1 caught (tier nemo) in 3 s";
+        echo "[ci/stages.sh nemo] passed in 5 s" ;;
+esac
+echo "[ci/stages.sh $1] passed in 1 s"
+""")
+    out = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = out.stdout.split(".ci/run summary", 1)[1].splitlines()
+    assert "mutants verdict: mutants: 3 of 3 caught (tier cpu) in 9 s" in summary
+    assert "nemo mutants verdict: mutants: 1 of 1 caught (tier nemo) in 3 s" in summary
+    assert "unit pytest: ===== 5 passed, 28 deselected in 1.0s =====" in summary
+    assert summary[-1] == "7 passed, 0 failed, 0 skipped"
+
+
 def _fake_python(path: Path, body: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/usr/bin/env bash\n" + body)
@@ -265,7 +289,9 @@ def test_unit_stage_treats_pytest_exit_5_as_failure(tmp_path, pytest_rc, stage_r
     assert "-m pytest -m not gpu and not nemo" in args and f"--junitxml={tmp_path}/build/reports/unit.xml" in args
     # the plot and zoo extras are installed and the PNG and Hugging Face tests are told not to skip
     assert args.startswith("NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 ")
-    assert "-m pip install --quiet -e .[test,plot,zoo]" in (tmp_path / "calls").read_text().splitlines()
+    assert "-m pip install --progress-bar off -e .[test,plot,zoo]" in (tmp_path / "calls").read_text().splitlines()
+    # the deselected NeMo tests are not dropped silently: the stage says where they run
+    assert "the NeMo recipe tests (marker nemo) are deselected here: they run in the nemo stage" in out.stdout
     if pytest_rc == 5:
         assert "collected no test for stage 'unit' (exit 5)" in out.stdout
     if stage_rc:
@@ -284,7 +310,7 @@ def test_mutants_stage_runs_ci_mutants_cpu_tier_in_the_unit_venv(tmp_path, mutan
     out = subprocess.run(["bash", str(script), "mutants"], capture_output=True, text=True, timeout=60)
     assert out.returncode == mutants_rc, out.stdout + out.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert "-m pip install --quiet -e .[test,plot,zoo]" in calls  # the unit stage's environment
+    assert "-m pip install --progress-bar off -e .[test,plot,zoo]" in calls  # the unit stage's environment
     assert calls[-1] == "ci/mutants.py --tier cpu"
 
 
@@ -496,8 +522,12 @@ def test_setup_venv_installs_cpu_torch_first_then_the_package_with_plot(tmp_path
     assert out.returncode == 0, out.stdout + out.stderr
     installs = _installs(tmp_path)
     assert installs[0].startswith("-m pip install --quiet --dry-run") and installs[0].endswith(" torch==2.13.0")
-    assert installs[1:] == ["-m pip install --quiet torch==2.13.0", "-m pip install --quiet -e .[plot]"]
+    assert installs[1:] == ["-m pip install --progress-bar off torch==2.13.0", "-m pip install --progress-bar off -e .[plot]"]
     assert "no NVIDIA GPU: installing the CPU build of torch==2.13.0" in out.stdout
+    # the long installs say what they do and are not silenced (pip lists what it collects and installs)
+    assert "downloading and installing the CPU build of torch==2.13.0" in out.stdout
+    assert "installing the package and its dependencies: pip install -e .[plot]" in out.stdout
+    assert not [c for c in installs if "--quiet" in c and "--dry-run" not in c]
 
 
 def test_setup_venv_takes_torch_from_the_cpu_index_when_pypi_serves_a_cuda_build(tmp_path):
@@ -510,8 +540,8 @@ def test_setup_venv_takes_torch_from_the_cpu_index_when_pypi_serves_a_cuda_build
     installs = _installs(tmp_path)
     assert [("--dry-run" in c, "--index-url file:///cpu-wheels" in c) for c in installs[:2]] == [(True, False),
                                                                                               (True, True)]
-    assert installs[2:] == ["-m pip install --quiet --index-url file:///cpu-wheels torch==2.13.0",
-                            "-m pip install --quiet -e .[plot]"]
+    assert installs[2:] == ["-m pip install --progress-bar off --index-url file:///cpu-wheels torch==2.13.0",
+                            "-m pip install --progress-bar off -e .[plot]"]
 
 
 def test_setup_venv_stops_before_downloading_a_cuda_torch_on_a_cpu_machine(tmp_path):
@@ -528,21 +558,21 @@ def test_setup_venv_stops_before_downloading_a_cuda_torch_on_a_cpu_machine(tmp_p
     assert out.returncode == 0, out.stdout + out.stderr
     installs = _installs(again)
     assert len(installs) == 3 and "--index-url file:///mine" in installs[0]
-    assert installs[1:] == ["-m pip install --quiet --index-url file:///mine torch==2.13.0",
-                            "-m pip install --quiet -e .[plot]"]
+    assert installs[1:] == ["-m pip install --progress-bar off --index-url file:///mine torch==2.13.0",
+                            "-m pip install --progress-bar off -e .[plot]"]
 
 
 def test_setup_venv_on_a_gpu_machine_and_with_torch_present(tmp_path):
     script = _setup_venv_sandbox(tmp_path, torch_present=False, dry_run_pulls=["nvidia-cublas-cu12"])
     out = _run_setup(script, tmp_path, gpu=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert _installs(tmp_path) == ["-m pip install --quiet torch==2.13.0", "-m pip install --quiet -e .[plot]"]
+    assert _installs(tmp_path) == ["-m pip install --progress-bar off torch==2.13.0", "-m pip install --progress-bar off -e .[plot]"]
 
     kept = tmp_path / "kept"
     script = _setup_venv_sandbox(kept, torch_present=True, dry_run_pulls=[])
     out = _run_setup(script, kept, gpu=False)
     assert out.returncode == 0 and "keeping the torch already in .venv" in out.stdout
-    assert _installs(kept) == ["-m pip install --quiet -e .[plot]"]
+    assert _installs(kept) == ["-m pip install --progress-bar off -e .[plot]"]
 
 
 def test_gpu_tests_are_not_collected_on_a_cpu_machine_nor_reported_as_skipped():

@@ -7,7 +7,7 @@ Learning rates are powers of two, so the engine's float32 learning-rate tensor h
 eager Lightning uses. The module's AdamW is ``fused=True``: torch's CPU AdamW accepts the
 ``capturable=True`` the engine sets only on its fused kernel.
 
-Also here: the refusals and option plumbing that need no graph, and the hazards of issue #12 (values baked
+Also here: the refusals and option plumbing that need no graph, and the hazards of stale graphs (values baked
 into a graph, re-allocated state, ``verify_steps``, the NaN guard inside the sync-checked warm-up).
 """
 
@@ -491,7 +491,7 @@ def test_progress_delta_is_measured_per_phase_graph():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# issue #12: nothing baked into a graph may go stale
+# nothing baked into a graph may go stale
 # ----------------------------------------------------------------------------------------------------------
 def test_gradient_accumulation_scheduler_changes_k_between_graphs():
     kw = dict(steps=-1, n_batches=8, max_epochs=4)

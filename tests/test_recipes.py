@@ -570,6 +570,27 @@ def test_step_timer_copies_losses_and_times_the_window():
     assert timer.count == 5
 
 
+def test_step_timer_on_cpu_reports_the_median_step_not_a_mean_spoiled_by_slow_start_up_steps(monkeypatch):
+    """Two CPU runs must not differ by where start-up steps fall: a window whose first steps are slow reports the
+    steady step time."""
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock[0])
+    timer = cli.StepTimer(skip_steps=2)
+    trainer = SimpleNamespace(max_steps=10)
+    module = SimpleNamespace(device=torch.device("cpu"))
+    timer.on_train_start(trainer, module)
+    seconds = [3.0, 1.0, 2.3, 0.7] + [0.1] * 6  # two skipped steps, two slow start-up steps in the window
+    for i, dt in enumerate(seconds):
+        timer.on_train_batch_start(trainer, module, None, i)
+        clock[0] += dt
+        timer.on_train_batch_end(trainer, module, torch.tensor(1.0), None, i)
+    timer.on_train_end(trainer, module)
+    assert timer.measured_steps == 8
+    assert timer.window_s / timer.measured_steps * 1e3 == pytest.approx(450.0)  # the window's mean
+    assert timer.ms_per_step() == pytest.approx(100.0)
+    assert math.isnan(cli.StepTimer(skip_steps=2).ms_per_step())  # nothing timed
+
+
 def _result(mode, ms, losses, speedup=None, *, requested="", replays=None):
     r = cli.RunResult(mode=mode, steps=len(losses), measured_steps=len(losses) - 1, ms_per_step=ms,
                       steps_per_s=1e3 / ms, tokens_per_s=1000 * 1e3 / ms, capture_time_s=0.25 if speedup else None,
@@ -611,7 +632,7 @@ def test_a_run_that_replayed_is_graphed_and_gets_a_speedup():
 
 
 def test_a_run_that_replayed_nothing_is_not_called_graphed_and_gets_no_speedup():
-    """The CPU case (issue 16): the plugin was attached but replayed no step, so nothing may say "graphed"."""
+    """The CPU case: the plugin was attached but replayed no step, so nothing may say "graphed"."""
     plugin = SimpleNamespace(eager_reason="no CUDA device is available")
     eager = _result("eager", 20.0, [5.0, 4.0], requested="eager")
     attached = cli.label_run(_result("graphed", 6.0, [5.0, 4.0], requested="graphed", replays=0), plugin,
@@ -688,7 +709,7 @@ def test_cuda_graph_flag_on_cpu_constructs_plugin_and_trains_eagerly(strategy, m
 
 @pytest.mark.skipif(not _plugin_importable(), reason="nemo_cudagraph_plugin.CudaGraphCallback not importable yet")
 def test_compare_on_cpu_says_nothing_was_graphed_in_table_png_and_json(monkeypatch, capsys, tmp_path):
-    """Issue 16: on CPU the second run replays nothing; the table, PNG and JSON must not call it graphed."""
+    """On CPU the second run replays nothing; the table, PNG and JSON must not call it graphed."""
     _need_matplotlib()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc = cli.main(["--compare", *FAST, "--steps", "4", "--out", str(tmp_path)])

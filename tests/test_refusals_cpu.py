@@ -1,4 +1,4 @@
-"""What a user learns on a machine without a GPU (issue #16 items 2, 5, 6; issue #12 case 7): refusals that need
+"""What a user learns on a machine without a GPU: refusals that need
 no GPU are raised at setup/train start on any machine, eager batches are counted with their reason, and option
 errors name the class and argument the user typed."""
 
@@ -31,7 +31,7 @@ def _trainer(callbacks=(), steps=4, **kw):
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
 
 
-# -- item 2: eager steps are counted, with the reason ------------------------------------------------
+# -- eager steps are counted, with the reason ---------------------------------------------------------
 def test_cpu_fit_counts_every_eager_step_with_its_reason():
     cb = CudaGraphCallback()
     with pytest.warns(UserWarning, match="no CUDA device"):
@@ -48,7 +48,7 @@ def test_disabled_fit_counts_its_steps_as_disabled():
     assert cb.stats.eager_reasons == {"disabled": 3}
 
 
-# -- item 5: refusals that need no GPU are raised on any machine ----------------------------------------
+# -- refusals that need no GPU are raised on any machine -------------------------------------------------
 class _Manual(GPTLightningModule):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
@@ -101,7 +101,7 @@ def test_fp16_precision_is_refused_at_setup_before_any_optimizer_exists():
     assert why is not None and "GradScaler" in why.message and not why.soft
 
 
-# -- item 6: errors in the user's words ------------------------------------------------------------------
+# -- errors in the user's words ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "call,text",
     [
@@ -139,7 +139,7 @@ def test_options_have_one_definition_and_typed_signatures():
     assert cfg.max_graphs == 8, "the given config must not be changed"
 
 
-# -- issue #12 case 7: the callback refuses DDP ----------------------------------------------------------
+# -- the callback refuses DDP -------------------------------------------------------------------------------
 def test_callback_with_ddp_strategy_points_to_the_strategy():
     from nemo_cudagraph_plugin.lightning.checks import setup_refusal
 

@@ -23,7 +23,7 @@ _LEFT_OUT: list[str] = []
 
 # TransformerEngine first, where it is installed: its loader picks a cuDNN by path, and once torch has loaded its own
 # for an earlier test's attention, TE's can fail to load ("libcudnn_heuristic.so.9: undefined symbol",
-# docs/gpu-evidence/2026-12-03-nan-guard.md section 6). A TE that does not import is left to its tests to report.
+# seen on an H200 with TE 2.20.2). A TE that does not import is left to its tests to report.
 if torch.cuda.is_available():
     import importlib.util
 

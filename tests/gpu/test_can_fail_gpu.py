@@ -1,4 +1,4 @@
-"""GPU tests that fail when the thing they guard breaks (issue #13, item 3), each with its control.
+"""GPU tests that fail when the thing they guard breaks, each with its control.
 
 * ``ParityError`` fires for a step whose graph differs from eager on purpose (a Python counter in the loss).
 * Dropout masks of the default CUDA generator differ between replays *and* equal eager's, mask for mask; the
@@ -34,11 +34,11 @@ CFG = get_config("tiny", n_layer=2, seq_len=256)
 # moved them (a norm, not a max: Adam's m/sqrt(v) turns last-bit differences of near-zero gradients into
 # lr-sized steps of single elements). The two optimizers differ only in the last bits: bias correction in
 # float64 on the host vs float32 on the device, and the lr as a Python float vs a float32 tensor. At a constant
-# lr the loss curves of 100 steps agree to 8.6e-08 relative (docs/gpu-evidence/2026-12-02-capture-strategy-
-# bench.md). With this schedule the lr itself is rounded to float32 every step: on CPU (tests/_tape.py, fused
+# lr the loss curves of 100 steps agree to 8.6e-08 relative (docs/results/capture.md).
+# With this schedule the lr itself is rounded to float32 every step: on CPU (tests/_tape.py, fused
 # AdamW on both sides, so only that rounding differs) this metric measured 3.5e-05 after 60 steps, and 0.44
 # for a learning rate frozen at its capture-time value. 1e-3 is 30x above the first and 400x below the second
-# (the control is asserted: >= 1e-2). The GPU values are printed (LR-SCHEDULE line) for the GPU evidence.
+# (the control is asserted: >= 1e-2). The GPU values are printed (LR-SCHEDULE line).
 LR_PARAM_TOL = 1e-3
 FROZEN_LR_MIN_DEV = 1e-2
 

@@ -152,7 +152,7 @@ def test_nan_guard_in_a_graph_names_the_parameter_and_sets_found_inf():
 
 
 def test_check_built_in_a_capture_after_freed_temporaries_reads_its_own_table():
-    """Reproduce-first for the fault of 2026-12-03: during a capture, memory freed earlier in the same capture is
+    """During a capture, memory freed earlier in the same capture is
     handed out again, and the graph's earlier kernels write it on every replay. A table allocated there and filled
     after the capture is overwritten (illegal address); the guard's table comes from an eager step instead."""
     ps = [torch.nn.Parameter(torch.zeros(n, device=DEV)) for n in (4096, 70000, 33)]

@@ -3,7 +3,7 @@
 Each arm runs in its own process (megatron-core keeps its CUDA-graph state in globals and class attributes, so
 per-layer and whole-iteration graphs cannot share a process). With ``MEGATRON_BED_RECORDS=<dir>`` the test reads the
 records ``benchmarks/megatron_session.sh`` has just written instead of running the arms again; an arm without a
-record there (the other arm set, or skipped by the run's time limits) skips the tests that read it. Without it the
+record there (the other arm set, or skipped for the run's time limit) skips the tests that read it. Without it the
 test runs the arms of ``MEGATRON_BED_SET`` (``default``, ``bf16layer``, ``layerdiag`` or ``all``, the default; 30 steps
 each).
 
@@ -114,11 +114,11 @@ def records(tmp_path_factory):
 
 
 def _present(records, tag):
-    """The record of ``tag``; an arm this run did not start (or had no time left for) skips the test."""
+    """The record of ``tag``; an arm this run did not run (another arm set, or its time limit) skips the test."""
     if tag not in records:
         if GIVEN or tag not in records["_ran"]:
-            pytest.skip(f"no record of arm {tag} in this run (another arm set, or skipped by the run's time limits)")
-        pytest.fail(f"arm {tag} wrote no record (see the run's session.log for its output)")
+            pytest.skip(f"no record of arm {tag} in this run (another arm set, or skipped for the run's time limit)")
+        pytest.fail(f"arm {tag} wrote no record (see the run's log for its output)")
     return records[tag]
 
 
@@ -148,9 +148,9 @@ def _row(records, tag):
     return row, group
 
 
-# megatron-core 0.16.1's per-layer graphs were measured NOT bitwise to eager (ARMS=bf16layer: gradient norms differ
-# from the first captured step, loss max |Δ| 0.027 over 120 steps); the flag does not give them there
-# (integrations.megatron.per_layer_refusal; its default is the whole iteration) and the arms set the fields by
+# megatron-core 0.16.1's per-layer graphs were measured NOT bitwise to eager (docs/results/megatron.md: gradient
+# norms differ from the first captured step, loss max |Δ| 0.027 over 120 steps); the flag does
+# not give them there (integrations.megatron.per_layer_refusal; its default is the whole iteration) and the arms set the fields by
 # hand. This test holds what was measured: graphs captured, warm-up steps bitwise, no non-finite value, every step's
 # loss within 5 % of eager's (a double-counted or skipped gradient leaves that band).
 PER_LAYER_LOSS_RTOL = 0.05

@@ -1,9 +1,8 @@
-"""Issue #12 on a real GPU: nothing baked into a graph may go stale.
+"""On a real GPU: nothing baked into a graph may go stale.
 
 Each test compares graphed training with eager Lightning (same seed, same data, the optimizer configured
 as under graphs by ``CapturableEager``) and fails when a replay keeps a value or an address the user's
-training has since changed. They were run against the engine before the fix (they fail there) and after
-(they pass): docs/gpu-evidence/2026-12-03-stale-graphs.md.
+training has since changed. Each fails on an engine without the guard it tests (docs/results/capture.md).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def _assert_same_training(g, e, tg, te):
     assert d == 0.0, f"final parameters differ from eager by up to {d:.3e}"
 
 
-# -- case 1: accumulate_grad_batches changes during training ----------------------------------------
+# -- accumulate_grad_batches changes during training ----------------------------------------
 def test_gradient_accumulation_scheduler_changes_k():
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
@@ -52,7 +51,7 @@ def test_gradient_accumulation_scheduler_changes_k():
     _assert_same_training(g, e, tg, te)
 
 
-# -- case 2: Python inside the step that assigns a hyperparameter; a float lr set around the capture -------
+# -- Python inside the step that assigns a hyperparameter; a float lr set around the capture -------
 class _WarmupInOptimizerStep(Base):
     """The LR warm-up as Lightning's docs write it: inside an overridden optimizer_step."""
 
@@ -109,7 +108,7 @@ def test_float_lr_set_around_the_capture_is_followed():
     _assert_same_training(g, e, tg, te)
 
 
-# -- case 3: parameters re-allocated without a hook -------------------------------------------------
+# -- parameters re-allocated without a hook -------------------------------------------------
 class _Realloc(pl.Callback):
     def __init__(self, kind: str, at: int = 10) -> None:
         self.kind, self.at, self.shadow = kind, at, None
@@ -154,7 +153,7 @@ def test_reallocated_parameters_are_detected_before_a_replay(kind):
     _assert_same_training(g, e, tg, te)
 
 
-# -- case 4: state created by a later signature's warm-up ------------------------------------------
+# -- state created by a later signature's warm-up ------------------------------------------
 class _LongOnly(Base):
     """A parameter that only sequences longer than 128 use (it first gets a gradient late)."""
 
@@ -203,7 +202,7 @@ def test_state_created_after_a_capture_makes_earlier_graphs_stale():
     _assert_same_training(g, e, tg, te)
 
 
-# -- case 5: verify_steps must not change training; ParityError must be able to fire -----------------
+# -- verify_steps must not change training; ParityError must be able to fire -----------------
 class _BNModule(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -259,7 +258,7 @@ def test_parity_error_fires_when_the_graph_differs_from_eager():
         fit(_BakedCounter(get_config("tiny", n_layer=1, seq_len=256)), [CudaGraphCallback(verify_steps=3)], 20)
 
 
-# -- case 6: NaN guard set-up inside the sync-checked warm-up ----------------------------------------
+# -- NaN guard set-up inside the sync-checked warm-up ----------------------------------------
 class _LateGrad(Base):
     """``never`` never gets a gradient; ``late`` first gets one on batch 2 (the sync-checked warm-up step)."""
 
@@ -287,7 +286,7 @@ def test_nan_guard_setup_in_the_sync_checked_warmup_is_not_a_false_host_sync():
     _assert_same_training(g, e, tg, te)
 
 
-# -- case 9: located errors in library code ------------------------------------------------------------
+# -- located errors in library code ------------------------------------------------------------
 def test_capture_error_in_library_code_names_its_line():
     """Lightning's demo LightningTransformer copies a CPU mask to the GPU in every forward."""
     from lightning.pytorch.demos import transformer as demo

@@ -1,4 +1,4 @@
-"""Issue #12 case 8 with real TransformerEngine: TE's graph hazards are checked for every TE model, not only
+"""With real TransformerEngine: TE's graph hazards are checked for every TE model, not only
 for models with FP8 primary weights (a bf16-weight TE model under FP8 autocast needs them too).
 
 Skipped without CUDA, without ``transformer_engine.pytorch`` or without FP8 support on the GPU.
