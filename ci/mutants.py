@@ -15,7 +15,7 @@ that passes without the break can be said to catch it.
     .venv-nemo/bin/python ci/mutants.py --tier nemo   # CI (ci/stages.sh nemo): the NeMo-marked tests, real NeMo 2.7.3
     python ci/mutants.py --list              # the mutants, their files and tests
     python ci/mutants.py --only NAME[,NAME]  # some of them
-    python ci/mutants.py --tier gpu --out docs/gpu-evidence/DATE-mutants-gpu.md   # the table as a record
+    python ci/mutants.py --tier gpu --out build/mutants-gpu.md    # the table as a record (docs/results/mutants-gpu.md)
 
 Exit status: 0 when every selected mutant is caught; 1 when one is missed, a snippet is stale, the
 baseline fails, or a run errors (collection error, timeout). The last line is the verdict.
@@ -72,7 +72,7 @@ class Mutant:
 
 
 MUTANTS: list[Mutant] = [
-    # -- issue #13's list ---------------------------------------------------------------------------------
+    # -- the step's core: progress, outputs, guards, parity ---------------------------------------------------------------------------------
     Mutant("progress-delta-apply-noop", "cpu", COMPAT,
            "        for o, n, d in self.incs:\n            setattr(o, n, getattr(o, n) + d)",
            "        for o, n, d in self.incs:\n            pass",
@@ -193,7 +193,7 @@ MUTANTS: list[Mutant] = [
            "",
            (LT + "test_dropout_masks_differ_per_replay_and_equal_eager",),
            "verify_steps lets the eager half advance the default generator: the graph draws other masks"),
-    # -- issue #12's fixes ---------------------------------------------------------------------------------
+    # -- values baked into a graph, re-allocated state, verify_steps ---------------------------------------------------------------------------------
     Mutant("step-key-without-k", "cpu", COMPAT,
            "    return StepKey(zero, step, k, ",
            "    return StepKey(zero, step, 0, ",
@@ -316,7 +316,7 @@ MUTANTS: list[Mutant] = [
            "            for i in tl.static_range(ITERS - 1):\n                x = tl.load(base + (start + i * BLOCK",
            ("tests/gpu/test_finite_gpu.py::test_counts_equal_torch_per_tensor_and_slot[dtype0]",),
            "the chunk count's whole-chunk path skips its last load: a NaN there is never counted"),
-    # -- session 8: memset nodes run as fill kernels -------------------------------------------------------
+    # -- memset nodes run as fill kernels -------------------------------------------------------
     Mutant("fill-plan-16bit-pattern-not-repeated", "cpu", NODES,
            "        word = (value & 0xFFFF) * 0x00010001",
            "        word = value & 0xFFFF",
@@ -342,7 +342,7 @@ MUTANTS: list[Mutant] = [
            '        return FillPlan("ncg_fill_v4", word, nbytes // 16 - 1)',
            ("tests/gpu/test_graph_nodes_gpu.py::test_memset_nodes_become_fill_kernels_that_write_the_same_bytes",),
            "the 16-byte fill kernel leaves the last 16 bytes of a memset unwritten"),
-    # -- session 10: the batch and outputs copied by the graph's own nodes (io_in_graph) -----------------------
+    # -- the batch and outputs copied by the graph's own nodes (io_in_graph) -----------------------
     Mutant("io-not-bound", "cpu", E,
            "        io.bind(leaves, fresh)",
            "        pass",
@@ -383,7 +383,7 @@ MUTANTS: list[Mutant] = [
             "tests/gpu/test_capture_gpu.py::test_graph_copies_batch_and_outputs_itself_and_training_equals_eager_bitwise[io-in-graph]"),
            "bind() never sets the batch addresses on the executable graph: every replay reads the batch it was "
            "captured with"),
-    # -- session 12: one copy node per side, for up to _COPY_SEGMENTS buffers ------------------------------------
+    # -- one copy node per side, for up to _COPY_SEGMENTS buffers ------------------------------------
     Mutant("io-bind-spans-shifted-cuda", "gpu", NODES,
            "                for arg, t in zip(far, tensors):",
            "                for t, arg in zip(tensors, far):",
@@ -408,7 +408,7 @@ MUTANTS: list[Mutant] = [
            '    + "".join(_PTX_COPY_SPAN for i in range(_COPY_SEGMENTS))',
            ("tests/test_core.py::test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_they_cannot",),
            "the copy kernel's spans keep their {i} placeholders (duplicate labels the driver refuses, on a GPU only)"),
-    # -- session 10: breaks in code that had no mutant (NeMo flag planning, options, error reports, keys) --------
+    # -- NeMo flag planning, options, error reports, keys --------
     Mutant("plan-full-iteration-mixed-with-layers", "cpu", GRAPH_FIELDS,
            "    if full_iteration and effective_scope != [\"full_iteration\"]:",
            "    if False:",
@@ -610,7 +610,7 @@ MUTANTS: list[Mutant] = [
            "or False:\n            return",
            ("tests/test_pipeline_alignment.py::test_lightning_callback_falls_back_when_step_hooks_do_not_run[2]",),
            "the end-of-batch path runs on batches that did not step (gradient accumulation)"),
-    # -- session 10: the NeMo flag on real NeMo recipes (tier nemo: .venv-nemo, ci/stages.sh nemo) ----------------
+    # -- the NeMo flag on real NeMo recipes (tier nemo: .venv-nemo, ci/stages.sh nemo) ----------------
     Mutant("megatron-rng-tracker-left-off", "nemo", NEMO_MEGATRON,
            '"use_te_rng_tracker", True,\n',
            '"use_te_rng_tracker", False,\n',
@@ -672,7 +672,7 @@ MUTANTS: list[Mutant] = [
            "        if token not in self._kept:\n            pass",
            (LT + "test_log_records_of_eager_steps_are_dropped_once_emitted",),
            "the self.log records of every eager step stay in memory for the whole run"),
-    # -- session 9: the replayed step's host path ------------------------------------------------------------
+    # -- the replayed step's host path: batch transfer, logging ------------------------------------------------------------
     Mutant("logged-copy-not-converted", "cpu", COMPAT,
            "    if value.is_floating_point() and value.dtype not in _FULL:\n        return value.to(_default_dtype())",
            "    if False:\n        return value.to(_default_dtype())",
@@ -689,7 +689,7 @@ MUTANTS: list[Mutant] = [
            "        self.last_refreshed = 0",
            (GPU + "test_fp8_refresh_keeps_real_te_transposes_current_under_graphs",),
            "the FP8 refresh post-hook refreshes nothing (real TE Float8Tensor weights)"),
-    # -- the replayed step's host path (session 5) ------------------------------------------------------------
+    # -- the replayed step's host path: progress and log re-emission ------------------------------------------------------------
     Mutant("fast-log-skips-count", "cpu", COMPAT,
            "    metric._update_count += 1\n",
            "    pass\n",
@@ -742,7 +742,7 @@ MUTANTS: list[Mutant] = [
            "        if False:",
            (LT + "test_a_baked_hyperparameter_scheduled_every_step_is_refused_after_two_recaptures",),
            "a hyperparameter baked into the graph and changed every step is re-captured every step, never refused"),
-    # -- module state baked into a graph (session 6) ------------------------------------------------------
+    # -- module state baked into a graph ------------------------------------------------------
     Mutant("module-guard-ignores-changes", "cpu", MSTATE,
            "            ):\n                return None\n        except Exception:",
            "            ) or True:\n                return None\n        except Exception:",
@@ -818,7 +818,7 @@ MUTANTS: list[Mutant] = [
            "",
            (LT + "test_module_attribute_set_inside_the_step_does_not_recapture",),
            "an attribute the step's own Python sets is taken for a user's change: a re-capture after every capture"),
-    # -- the NaN guard reading the clipping norms (session 6) ---------------------------------------------
+    # -- the NaN guard reading the clipping norms ---------------------------------------------
     Mutant("norm-tap-marks-nothing", "cpu", NAN,
            "        torch.where(bad.any(), bad, stacked.sub(stacked), out=bad)\n        return True",
            "        return True",
@@ -910,7 +910,7 @@ MUTANTS: list[Mutant] = [
            ("tests/gpu/test_capture_gpu.py::test_nan_guard_with_clipping_names_parameter_long_after_the_bad_step[all-grads]",
             "tests/gpu/test_capture_gpu.py::test_nan_guard_with_clipping_names_parameter_long_after_the_bad_step[a-param-without-grad]"),
            "on the GPU (torch._foreach_norm, in a replayed graph): the clipping norms mark every step of the window"),
-    # -- session 11: the loss's division by accumulate_grad_batches == 1 left out of the step ------------------
+    # -- the loss's division by accumulate_grad_batches == 1 left out of the step ------------------
     Mutant("undivided-at-k-above-1", "cpu", COMPAT,
            "        if normalize == 1:\n            mapping",
            "        if normalize >= 1:\n            mapping",
