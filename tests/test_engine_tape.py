@@ -102,7 +102,7 @@ def test_returned_outputs_are_copies_that_later_replays_do_not_overwrite(io):
     kept = [eng.step(b, "k", p.step)["loss"] for b in bs]
     ref, _ = eager(bs)
     assert [float(t) for t in kept] == ref and len(set(ref)) == len(ref)
-    assert eng.stats.io_in_graph == io
+    assert eng.stats.graphs_with_io_nodes == io
 
 
 def test_a_graph_that_copies_its_own_io_is_bound_to_each_batch_and_fresh_outputs_before_its_replay(monkeypatch):
@@ -125,10 +125,10 @@ def test_a_graph_that_copies_its_own_io_is_bound_to_each_batch_and_fresh_outputs
     assert len({o["loss"].data_ptr() for o in outs}) == len(outs)
     assert CaptureConfig(io_in_graph=False).io_in_graph is False
     p2 = Problem()
-    eng_off = p2.engine(TapeBackend(io_in_graph=True), warmup_steps=1, io_in_graph=False)
+    eng_off = p2.engine(TapeBackend(io_in_graph=False), warmup_steps=1)
     for b in bs[:3]:
         eng_off.step(b, "k", p2.step)
-    assert eng_off.stats.io_in_graph == 0
+    assert eng_off.stats.graphs_with_io_nodes == 0
 
 
 def test_each_replay_reads_the_new_batch_through_the_static_inputs():

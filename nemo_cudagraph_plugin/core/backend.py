@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from . import _cuda_nodes
+from .config import CaptureConfig
 from .warn import warn_once
 
 __all__ = ["CudaBackend", "GraphBackend"]
@@ -47,8 +48,9 @@ class GraphBackend:
     def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
         """Make a graph whose capture the engine keeps ready to replay.
 
-        ``io``: the graph's input buffers and outputs, where the engine lets the graph copy them itself. Returns
-        an object whose ``bind(batch, fresh)`` makes the next replay copy the batch tensors ``batch`` into the input
+        ``io``: the graph's input buffers and outputs (the engine always passes them; ``None`` where a caller has
+        none). Where this backend lets the graph copy them itself (its ``io_in_graph`` choice, made once at
+        construction, and the tensors allow it), returns an object whose ``bind(batch, fresh)`` makes the next replay copy the batch tensors ``batch`` into the input
         buffers before its first node and the outputs into ``fresh`` after its last; ``None``: the engine copies
         them around the replay.
         """
@@ -157,9 +159,10 @@ class CudaBackend(GraphBackend):
         torch.cuda.set_rng_state(state, device)
 
 
-def default_backend(backend: Optional[GraphBackend], memsets_as_kernels: bool = True,
-                    io_in_graph: bool = True) -> GraphBackend:
-    return backend if backend is not None else CudaBackend(memsets_as_kernels, io_in_graph)
+def default_backend(backend: Optional[GraphBackend], config: CaptureConfig) -> GraphBackend:
+    """``backend``, or the CUDA backend for ``config``: the one place that reads the options ``memsets_as_kernels``
+    and ``io_in_graph`` (the engine asks the backend, never the options)."""
+    return backend if backend is not None else CudaBackend(config.memsets_as_kernels, config.io_in_graph)
 
 
 def _copyable(tensors: list[torch.Tensor]) -> bool:

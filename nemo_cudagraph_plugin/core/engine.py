@@ -162,7 +162,9 @@ class CaptureEngine:
         host_state: returns a function that restores host-side counters the step mutates; used
             when a failed capture or a verification run must be undone.
         stats: counters to update (one shared :class:`CaptureStats` per trainer).
-        backend: the device interface (:class:`~.backend.CudaBackend` by default).
+        backend: the device interface. Default: a :class:`~.backend.CudaBackend` built from ``config``'s
+            ``memsets_as_kernels`` and ``io_in_graph``, which it decides once (what the option asks and what
+            torch and the driver allow); a backend passed in carries its own choice of both.
         watched_fn: other ``(name, tensor)`` pairs a graph reads (frozen parameters, module
             buffers): their addresses are recorded and checked like ``state_fn``'s.
         mutable_fn: tensors the step writes without going through torch's dispatcher (e.g.
@@ -183,7 +185,7 @@ class CaptureEngine:
         watched_fn: Callable[[], Sequence[tuple[str, Tensor]]] = lambda: [],
         mutable_fn: Callable[[], Sequence[Tensor]] = lambda: [],
     ) -> None:
-        self.backend = default_backend(backend, config.memsets_as_kernels, config.io_in_graph)
+        self.backend = default_backend(backend, config)
         if device.type != self.backend.device_type:
             raise ValueError(f"CaptureEngine needs a {self.backend.device_type.upper()} device, got {device}")
         if device.type == "cuda" and device.index is None:
@@ -467,7 +469,7 @@ class CaptureEngine:
             for check in self.post_capture_checks:
                 check()
             out_leaves, out_spec = flatten(out)
-            io = be.finish(graph, (inputs.leaves, out_leaves) if self.config.io_in_graph else None)
+            io = be.finish(graph, (inputs.leaves, out_leaves))  # the backend decided io_in_graph once
         except CaptureError as err:  # a hazard check refused this capture
             undo()
             return self._handle_capture_error(err, err, fn, batch)
@@ -507,8 +509,8 @@ class CaptureEngine:
         self._scan_ptrs = list(map(_data_ptr, self._scan))
         self.stats.captures += 1
         self.stats.graphs = len(self.cache)
-        self.stats.memsets_as_kernels = be.memsets_rewritten
-        self.stats.io_in_graph += io is not None
+        self.stats.memsets_rewritten = be.memsets_rewritten
+        self.stats.graphs_with_io_nodes += io is not None
         if self.on_capture is not None:
             self.on_capture(entry)
         self.stats.capture_time_s += time.perf_counter() - t0
