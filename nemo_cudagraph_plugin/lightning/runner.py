@@ -245,15 +245,12 @@ class LightningStepRunner:
             if self.config.fp8_refresh is True:
                 raise
             return
-        has_fp8 = any(True for _ in iter_fp8_params(pl_module))
-        if self.config.fp8_refresh is True and not has_fp8:
-            raise CaptureError(
-                f"{self.owner}(fp8_refresh=True) but the model has no TransformerEngine Float8Tensor parameters "
-                "(build it under te.quantized_model_init / te.fp8_model_init, or use fp8_refresh='auto').",
-                rule="configuration",
-            )
-        if self.config.fp8_refresh and has_fp8:
-            self._fp8_handle = install_fp8_refresh(optimizer, pl_module)
+        try:
+            self._fp8_handle = install_fp8_refresh(optimizer, pl_module, mode=self.config.fp8_refresh,
+                                                   owner=f"{self.owner}(fp8_refresh=True)")
+        except ValueError as exc:  # fp8_refresh=True on a model without FP8 parameters
+            raise CaptureError(str(exc), rule="configuration") from exc
+        has_fp8 = self._fp8_handle is not None or any(True for _ in iter_fp8_params(pl_module))
         if not (has_fp8 or te.has_te_modules(pl_module)):
             return
         from ..fp8.hazards import (
