@@ -497,7 +497,7 @@ def install_fp8_refresh(
     *,
     mode: Union[bool, Literal["auto"]] = True,
     owner: str = "install_fp8_refresh",
-    require_stable_address: bool = True,
+    require_stable_address: Optional[bool] = True,
     fused: Fused = "auto",
 ) -> Optional[Fp8RefreshHandle]:
     """Refresh the FP8 transposes of ``params_or_module`` after every ``optimizer.step()``.
