@@ -56,7 +56,7 @@ repeats what it needs after each replay (``after_replay``). Hazards covered here
 * random numbers: the default generator is advanced per replay by the backend; extra generators
   are registered through :class:`~.rng.GeneratorRegistry`;
 * ``verify_steps``: the eager half records every tensor it writes (and the adapter's
-  ``mutable_fn`` tensors, generators, host counters) and restores them before the graph's step
+  ``mutable_tensors``, generators, host counters) and restores them before the graph's step
   runs, so verification leaves training exactly as an unverified run.
 """
 
@@ -527,7 +527,7 @@ class CaptureEngine:
 
         The eager half runs first under a recorder that snapshots every pre-existing tensor before
         its first write (parameters, gradients, optimizer state, module buffers such as BatchNorm
-        statistics, NaN-guard accumulators); those, the adapter's ``mutable_fn`` tensors, every
+        statistics, NaN-guard accumulators); those, the adapter's ``mutable_tensors``, every
         generator and the host counters are restored before the graph's step, whose effects are
         the ones that stay. Training is then exactly that of an unverified run.
         """
@@ -591,8 +591,8 @@ class _WriteRecorder(TorchDispatchMode):
     arguments of the batch-norm kernels, whose schemas (``native_batch_norm``, ``cudnn_batch_norm``,
     ``miopen_batch_norm``, ``batch_norm_update_stats``) do not mark them as written although the
     kernels update them. Tensors created inside the block are skipped. Kernels that bypass torch's
-    dispatcher (custom C++ extensions) are invisible here: the engine snapshots those through
-    ``mutable_fn`` (the Lightning adapter passes the module's buffers and TE's FP8 scaling state).
+    dispatcher (custom C++ extensions) are invisible here: the engine snapshots those through its
+    adapter's ``mutable_tensors`` (the Lightning adapter passes the module's buffers and TE's FP8 scaling state).
     """
 
     def __init__(self) -> None:
