@@ -280,7 +280,7 @@ def _fit(args: argparse.Namespace, io_in_graph: bool) -> dict:
                "device period (events), mean": statistics.fmean(dp)}
     return {"io_in_graph": io_in_graph, "steps": len(sec.steps), "wall_s": wall, "sections_us": sec.medians(),
             "periods_us": periods, "transfer_us": inst.transfer, "summary": cb.stats.summary(),
-            "io_graphs": cb.stats.io_in_graph}
+            "io_graphs": cb.stats.graphs_with_io_nodes}
 
 
 if __name__ == "__main__":

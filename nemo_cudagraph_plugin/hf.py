@@ -11,7 +11,7 @@ never asks the host. A batch with an ``attention_mask`` always gets the boolean 
 (for a batch that pads nothing this is SDPA with a mask of all-causal entries instead of ``is_causal``: the same
 function, other kernels); a batch without one keeps ``is_causal``. Padded batches therefore train exactly as with
 ``"sdpa"``. ``CudaGraphCallback`` / ``CudaGraphStrategy`` apply it before the first step when they capture
-(``hf_attention="graph_safe"``, the default), so user code needs no change.
+(``hf_attention="graph_safe"``, the default), so user code needs no change, and put them back to ``"sdpa"`` after ``fit``.
 
 Other attention implementations are left as they are: ``"eager"`` builds its mask without a host read, and
 flash-attention's variable-length path (``flash_attention_2`` with padding) reads sequence lengths on the host and
@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SDPA_GRAPH_SAFE", "graph_safe_attention", "has_hf_models"]
+__all__ = ["SDPA_GRAPH_SAFE", "graph_safe_attention", "has_hf_models", "restore_attention"]
 
 #: The attention implementation :func:`graph_safe_attention` registers and switches ``"sdpa"`` models to.
 SDPA_GRAPH_SAFE = "sdpa_graph_safe"
@@ -80,3 +80,13 @@ def graph_safe_attention(module: nn.Module) -> list[str]:
             m.set_attn_implementation(SDPA_GRAPH_SAFE)
             switched.append(name)
     return switched
+
+
+def restore_attention(module: nn.Module, switched: list[str]) -> None:
+    """Put the models that :func:`graph_safe_attention` switched (its return value) back to ``"sdpa"``."""
+    models = dict(module.named_modules())
+    for name in switched:
+        m = models.get(name)
+        if m is not None and m.config._attn_implementation == SDPA_GRAPH_SAFE:
+            m.set_attn_implementation("sdpa")
+

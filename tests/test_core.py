@@ -630,7 +630,7 @@ def test_memset_fill_plans_write_exactly_the_bytes_of_the_memset_and_say_which_t
 
 def test_memsets_as_kernels_is_an_option_and_graphs_keep_their_memsets_without_the_driver():
     from nemo_cudagraph_plugin.core import _cuda_nodes
-    from nemo_cudagraph_plugin.core.backend import CudaBackend
+    from nemo_cudagraph_plugin.core.backend import CudaBackend, default_backend
 
     assert CaptureConfig().memsets_as_kernels is True
     with pytest.raises(ValueError, match=r"CaptureConfig\(memsets_as_kernels='no'\) is invalid"):
@@ -642,9 +642,14 @@ def test_memsets_as_kernels_is_an_option_and_graphs_keep_their_memsets_without_t
         CaptureConfig(io_in_graph=1)
     assert CudaBackend(io_in_graph=False).io_kept == "io_in_graph=False"
     assert CudaBackend(memsets_as_kernels=False).io_kept == CudaBackend().memsets_kept
-    if _cuda_nodes.unavailable() is not None:  # this machine: no libcuda
-        assert "libcuda" in _cuda_nodes.unavailable()
-        assert "libcuda" in CudaBackend().memsets_kept
+    # the engine's default backend is where the options are read, once
+    assert default_backend(None, CaptureConfig(io_in_graph=False)).io_kept == "io_in_graph=False"
+    assert default_backend(None, CaptureConfig(memsets_as_kernels=False)).memsets_kept == "memsets_as_kernels=False"
+    assert default_backend(None, CaptureConfig()).io_kept == CudaBackend().io_kept
+    if _cuda_nodes.unavailable() is not None:  # this machine: no libcuda, or no cuda-bindings to reach it
+        why = "libcuda" if "bindings" not in _cuda_nodes.unavailable() else "cuda-bindings is not importable"
+        assert why in _cuda_nodes.unavailable()
+        assert why in CudaBackend().memsets_kept
         with pytest.raises(RuntimeError, match="memset rewrite unavailable"):
             _cuda_nodes.rewrite_memsets(0, 1)
 

@@ -15,6 +15,7 @@ from _tape import CpuGeneratorRegistry, TapeBackend
 from torch import Tensor
 
 from nemo_cudagraph_plugin.core import CaptureConfig, CaptureEngine, CaptureError, NanGuard, ParityError
+from nemo_cudagraph_plugin.core.adapter import StepAdapter, StepFunctions
 
 cpu = torch.device("cpu")
 LR = 2.0**-6  # exact in float32: a float lr and the engine's float32 lr tensor give the same update
@@ -58,8 +59,8 @@ class Problem:
             return out + [("lr tensor", self.opt.param_groups[0]["lr"])]
 
         cfg.setdefault("nan_guard", False)
-        return CaptureEngine(CaptureConfig(**cfg), cpu, self.named(), state_fn=state, generators=generators,
-                             backend=backend or TapeBackend())
+        return CaptureEngine(CaptureConfig(**cfg), cpu, self.named(), StepFunctions(state=state),
+                             generators=generators, backend=backend or TapeBackend())
 
     def params(self) -> list[Tensor]:
         return [p.detach().clone() for _, p in self.named()]
@@ -102,7 +103,7 @@ def test_returned_outputs_are_copies_that_later_replays_do_not_overwrite(io):
     kept = [eng.step(b, "k", p.step)["loss"] for b in bs]
     ref, _ = eager(bs)
     assert [float(t) for t in kept] == ref and len(set(ref)) == len(ref)
-    assert eng.stats.io_in_graph == io
+    assert eng.stats.graphs_with_io_nodes == io
 
 
 def test_a_graph_that_copies_its_own_io_is_bound_to_each_batch_and_fresh_outputs_before_its_replay(monkeypatch):
@@ -125,10 +126,10 @@ def test_a_graph_that_copies_its_own_io_is_bound_to_each_batch_and_fresh_outputs
     assert len({o["loss"].data_ptr() for o in outs}) == len(outs)
     assert CaptureConfig(io_in_graph=False).io_in_graph is False
     p2 = Problem()
-    eng_off = p2.engine(TapeBackend(io_in_graph=True), warmup_steps=1, io_in_graph=False)
+    eng_off = p2.engine(TapeBackend(io_in_graph=False), warmup_steps=1)
     for b in bs[:3]:
         eng_off.step(b, "k", p2.step)
-    assert eng_off.stats.io_in_graph == 0
+    assert eng_off.stats.graphs_with_io_nodes == 0
 
 
 def test_each_replay_reads_the_new_batch_through_the_static_inputs():
@@ -288,9 +289,10 @@ class _BN:
     def run(self, verify: int, mutable: bool = True) -> CaptureEngine:
         eng = CaptureEngine(
             CaptureConfig(warmup_steps=1, verify_steps=verify, nan_guard=False), cpu, list(self.model.named_parameters()),
-            state_fn=lambda: [v for s in self.opt.state.values() for v in s.values()], backend=TapeBackend(),
-            watched_fn=lambda: list(self.model.named_buffers()),
-            mutable_fn=(lambda: list(self.model.buffers())) if mutable else (lambda: []))
+            StepFunctions(state=lambda: [v for s in self.opt.state.values() for v in s.values()],
+                          watched=lambda: list(self.model.named_buffers()),
+                          mutable=(lambda: list(self.model.buffers())) if mutable else (lambda: [])),
+            backend=TapeBackend())
         for b in batches(8):
             eng.step(b, "k", self.step)
         return eng
@@ -433,3 +435,30 @@ def test_nan_guard_sees_a_bad_gradient_on_a_replayed_step():
     assert report is not None and "'2.weight'" in report, report
     del base
 
+
+
+def test_the_engine_binds_its_adapter_once_and_asks_for_the_capture_checks_at_each_capture():
+    """One adapter object: its per-step members (guards, after_replay) are bound when the engine is built, not looked
+    up per step; the hazard checks around a capture are asked for at each capture."""
+    calls: dict[str, int] = {}
+
+    def count(what):
+        calls[what] = calls.get(what, 0) + 1
+
+    class Adapter(StepFunctions):
+        def guards(self):
+            count("guards")
+            return [lambda: count("guard ran")]
+
+        def capture_contexts(self):
+            count("contexts")
+            return []
+
+    p = Problem()
+    adapter = Adapter(after_replay=lambda entry: count("after_replay"))
+    assert isinstance(adapter, StepAdapter)
+    eng = CaptureEngine(CaptureConfig(warmup_steps=1, nan_guard=False), cpu, p.named(), adapter, backend=TapeBackend())
+    for b in batches(6):
+        eng.step(b, "k", p.step)
+    assert (eng.stats.captures, eng.stats.replays) == (1, 4)
+    assert calls == {"guards": 1, "guard ran": 6, "contexts": 1, "after_replay": 4}, calls

@@ -287,6 +287,34 @@ def test_install_without_writer_reset_still_fixes_stale_bytes():
     assert verify_fp8_transposes(m).ok
 
 
+def test_one_installer_for_optimizers_and_framework_events_with_the_modes_of_the_option():
+    """install_fp8_refresh is the installer every entry point calls: a torch optimizer's step, or a framework's
+    event through attach(refresh) -> detach (megatron-core's all-gather completion); mode as fp8_refresh."""
+    m = make_fp8_module()
+    opt = WritingOptimizer(m.parameters())
+    assert install_fp8_refresh(opt, m, mode=False) is None
+    assert install_fp8_refresh(opt, torch.nn.Linear(2, 2), mode="auto") is None
+    with pytest.raises(ValueError, match=r"^Owner\(fp8_refresh=True\): no TransformerEngine Float8Tensor"):
+        install_fp8_refresh(opt, torch.nn.Linear(2, 2), owner="Owner(fp8_refresh=True)")
+    with pytest.raises(ValueError, match=r"Owner: fp8_refresh=1 is invalid"):
+        install_fp8_refresh(opt, m, mode=1, owner="Owner")  # type: ignore[arg-type]
+    opt.step()
+    assert not verify_fp8_transposes(m).ok, "mode=False and 'auto' without FP8 installed nothing"
+
+    events: list = []
+
+    def attach(refresh):
+        events.append(refresh)
+        return lambda: events.remove(refresh)
+
+    handle = install_fp8_refresh(attach, m, mode="auto")
+    assert handle is not None and handle.optimizer is None and handle.active and len(events) == 1
+    assert events[0]() == 3 and handle.calls == 1 and verify_fp8_transposes(m).ok
+    handle.remove()
+    assert events == [] and not handle.active
+    assert "optimizer=event" in repr(handle)
+
+
 def test_install_errors_are_clear():
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="no TransformerEngine Float8Tensor parameter found"):

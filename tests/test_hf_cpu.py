@@ -31,11 +31,11 @@ class Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(config, graphed: bool, cb_kw=None, **module_kw):
+def fit(config, graphed: bool, cb_kw=None, callbacks=(), **module_kw):
     pl.seed_everything(0, verbose=False)
     module = HFCausalLM(config, **module_kw)
     rec = Losses()
-    cbs: list = [rec]
+    cbs: list = [rec, *callbacks]
     cb = None
     if graphed:
         cb = CudaGraphCallback(**(cb_kw or {}))
@@ -51,9 +51,16 @@ def fit(config, graphed: bool, cb_kw=None, **module_kw):
 
 def test_right_padded_batches_are_graphed_and_train_as_the_unmodified_eager_model():
     eager_module, eager, _ = fit(llama(), graphed=False, padded=True)
-    module, graphed, cb = fit(llama(), graphed=True, padded=True)
+    switched = []
+
+    class SeeAttention(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            switched.append(pl_module.model.config._attn_implementation)
+
+    module, graphed, cb = fit(llama(), graphed=True, padded=True, callbacks=[SeeAttention()])
     assert cb.stats.replays == STEPS - 4  # 3 warm-up steps and the capture
-    assert module.model.config._attn_implementation == SDPA_GRAPH_SAFE
+    assert switched == [SDPA_GRAPH_SAFE] * STEPS
+    assert module.model.config._attn_implementation == "sdpa"  # given back after fit
     assert eager_module.model.config._attn_implementation == "sdpa"
     assert graphed == eager
     for a, b in zip(module.parameters(), eager_module.parameters()):

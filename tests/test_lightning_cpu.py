@@ -34,7 +34,7 @@ from nemo_cudagraph_plugin import (
     CudaGraphStrategy,
     NonFiniteError,
 )
-from nemo_cudagraph_plugin.core import ParityError
+from nemo_cudagraph_plugin.core import ParityError, StepAdapter
 from nemo_cudagraph_plugin.lightning import _compat, checks
 from recipes.gpt import GPTLightningModule, get_config
 
@@ -655,6 +655,49 @@ def test_optimizer_is_given_back_as_the_user_built_it_after_fit():
     assert "zero_grad" not in opt.__dict__
     opt.zero_grad()
     assert all(p.grad is None for p in g.module.parameters())
+
+
+def _changed_by_bind(trainer, module) -> dict:
+    """What the runner's bind changes on Lightning's and torch's objects, as seen on them."""
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    opt = trainer.optimizers[0]
+    return {"loop": sorted(k for k in ("run", "output_result_cls") if k in loop.__dict__),
+            "zero_grad": "zero_grad" in opt.__dict__,
+            "optimizer hooks": len(opt._optimizer_load_state_dict_post_hooks),
+            "module hooks": len(module._load_state_dict_post_hooks),
+            "clip": "clip_grad_by_norm" in trainer.strategy.precision_plugin.__dict__,
+            "lr": sorted({type(pg["lr"]).__name__ for pg in opt.param_groups})}
+
+
+class _SeeBound(pl.Callback):
+    def setup(self, trainer, pl_module, stage):
+        self.trainer, self.module = trainer, pl_module
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.during = _changed_by_bind(trainer, pl_module)
+
+
+def test_everything_bind_changed_is_given_back_after_fit_and_after_a_refusal_raised_halfway():
+    """unbind undoes, latest first, every change of bind (one ExitStack): the loop's run and result class, the
+    optimizer's zero_grad, the load-state-dict hooks, the clipping wrapper, the optimizer's flags. Also when bind
+    raises halfway (fp8_refresh=True on a model without FP8 parameters, after the step was routed), and twice."""
+    seen = _SeeBound()
+    g = fit(steps=6, callbacks=[seen], gradient_clip_val=1.0)
+    assert g.stats.replays > 0
+    assert seen.during == {"loop": ["output_result_cls", "run"], "zero_grad": True, "optimizer hooks": 1,
+                           "module hooks": 1, "clip": True, "lr": ["Tensor"]}, seen.during
+    after = _changed_by_bind(g.trainer, g.module)
+    assert after == {"loop": [], "zero_grad": False, "optimizer hooks": 0, "module hooks": 0, "clip": False,
+                     "lr": ["float"]}, after
+    assert isinstance(g.cb.step_runner, StepAdapter) and g.cb.step_runner.engine.adapter is g.cb.step_runner
+    g.cb.step_runner.unbind()  # again: nothing left to undo
+    assert _changed_by_bind(g.trainer, g.module) == after
+    halfway = _SeeBound()
+    with pytest.raises(CaptureError, match=r"fp8_refresh=True\): no TransformerEngine Float8Tensor"):
+        fit(steps=2, cb_kw={"fp8_refresh": True}, callbacks=[halfway], gradient_clip_val=1.0)
+    assert not hasattr(halfway, "during"), "bind raised before the first step"
+    assert _changed_by_bind(halfway.trainer, halfway.module) == after
 
 
 class _WeightDecaySchedule(pl.Callback):

@@ -1,11 +1,12 @@
 """Framework-free core: capture engine, static buffers, graph cache, RNG, optimizer prep, NaN guard."""
 
+from .adapter import StepAdapter, StepFunctions
 from .buffers import StaticInputs, flatten, signature_of, unflatten
 from .config import CaptureConfig, CaptureStats
 from .engine import CaptureEngine, GraphEntry
 from .errors import CaptureError, NonFiniteError, ParityError
 from .graph_cache import GraphCache
-from .nan_guard import NanGuard
+from .nan_guard import NanGuard, NanPolicy
 from .optim import OptimizerPrep, check_optimizer_supported, portable_optimizer_state
 from .rng import GeneratorRegistry
 
@@ -18,10 +19,13 @@ __all__ = [
     "GraphCache",
     "GraphEntry",
     "NanGuard",
+    "NanPolicy",
     "NonFiniteError",
     "OptimizerPrep",
     "ParityError",
     "StaticInputs",
+    "StepAdapter",
+    "StepFunctions",
     "check_optimizer_supported",
     "flatten",
     "portable_optimizer_state",

@@ -1,29 +1,39 @@
-"""A captured graph's memset nodes rewritten as kernel nodes, through the CUDA driver API (ctypes).
+"""Two rewrites of a captured, not yet instantiated graph, through NVIDIA's typed driver bindings (``cuda-bindings``).
 
-Why: in a replayed graph a memset node is followed by an idle gap of 3-4.5 µs before the next kernel
-starts, against ~0.5 µs between two kernels (H200, CUDA 13; profile in ``docs/gpu-evidence``). torch's split
-reductions zero their semaphores with ``cudaMemsetAsync`` and cuDNN's attention zeroes its accumulators the
-same way: 72 memsets per step of a 12-layer GPT. A kernel node that writes the same bytes, with the same
-dependencies, takes each one's place: 129-142 µs less per step there (``benchmarks/graph_memsets.py``).
+* **Memsets as fill kernels** (:func:`rewrite_memsets`). In a replayed graph a memset node is followed by an idle gap
+  of 3-4.5 µs before the next kernel starts, against ~0.5 µs between two kernels (H200, CUDA 13). torch's split
+  reductions zero their semaphores with ``cudaMemsetAsync`` and cuDNN's attention zeroes its accumulators the same
+  way: 72 memsets per step of a 12-layer GPT. A kernel node that writes the same bytes, with the same dependencies,
+  takes each one's place: 129-142 µs less per step there (``benchmarks/graph_memsets.py``). Rewritten: 1-D memset
+  nodes (``height == 1``) of 1-, 2- or 4-byte elements; the fill kernel stores 16, 4 or 1 byte(s) per thread,
+  whichever the address and size allow (a 2- or 4-byte memset whose address or size is not 4-byte aligned stays a
+  memset).
+* **Batch and output copy nodes** (:class:`GraphIO`): a copy kernel node before every root node copies the batch into
+  the graph's input buffers, one after every sink node copies the outputs into this step's fresh memory; their far
+  addresses are set on the executable graph before each replay.
 
-What is rewritten: 1-D memset nodes (``height == 1``) of 1-, 2- or 4-byte elements. The fill kernel
-stores 16, 4 or 1 byte(s) per thread, whichever the address and size allow (a 2- or 4-byte memset whose
-address or size is not 4-byte aligned stays a memset). Everything else in the graph is left alone; the
-graph must not be instantiated yet (``torch.cuda.CUDAGraph(keep_graph=True)``).
+Failure: each rewrite reads everything it needs (nodes, parameters, edges, the kernels' module) before its first
+change to the graph, and records every change; an error at any point undoes what was done (added nodes destroyed,
+removed memset nodes added back with their parameters and edges) and is raised as :class:`RewriteError`, with the
+graph as captured. Only when that undo itself fails is :class:`GraphDamaged` raised instead (the graph must not be
+used). Everything else in the graph is left alone; the graph must not be instantiated yet
+(``torch.cuda.CUDAGraph(keep_graph=True)``).
 
-This is the only module that calls the driver (versioned entry points of CUDA 12.3 and newer, e.g.
-``cuGraphNodeGetDependencies_v2``); where one is missing, :func:`unavailable` says so and graphs keep their
-memsets.
+This is the only module that calls the driver, through ``cuda.bindings.driver`` (its structs and signatures are
+NVIDIA's, generated from the driver's headers). Where the bindings are not importable, the driver is older than
+12.3 or lacks an entry point, :func:`unavailable` says why and graphs stay as captured.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["FillPlan", "GraphIO", "RewriteResult", "fill_plan", "node_types", "rewrite_memsets", "unavailable"]
+__all__ = ["FillPlan", "GraphDamaged", "GraphIO", "RewriteError", "RewriteResult", "fill_plan", "graph_shape",
+           "node_types", "rewrite_memsets", "unavailable"]
 
 # CUgraphNodeType
 _KERNEL, _MEMSET = 0, 2
@@ -164,160 +174,179 @@ def fill_plan(dst: int, value: int, element_size: int, width: int, height: int) 
     return None
 
 
-class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
-    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
-                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
-
-
-class _KernelParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
-    _fields_ = [("func", ctypes.c_void_p),
-                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
-                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
-
-
-_P, _S = ctypes.c_void_p, ctypes.c_size_t
-# Looked up by their versioned symbol names, so each has exactly the signature written here on every driver that
-# exports it (CUDA 12.3 and newer; CUDA 13's headers map the plain names of the edge functions to the _v2 ones).
-_SIGNATURES: dict[str, tuple] = {
-    "cuCtxGetCurrent": (_P,),
-    "cuModuleLoadData": (_P, ctypes.c_char_p),
-    "cuModuleGetFunction": (_P, _P, ctypes.c_char_p),
-    "cuGraphGetNodes": (_P, _P, _P),
-    "cuGraphNodeGetType": (_P, _P),
-    "cuGraphMemsetNodeGetParams": (_P, _P),
-    "cuGraphNodeGetDependencies_v2": (_P, _P, _P, _P),  # node, nodes, edge data, count
-    "cuGraphNodeGetDependentNodes_v2": (_P, _P, _P, _P),
-    "cuGraphAddKernelNode_v2": (_P, _P, _P, _S, _P),  # CUDA_KERNEL_NODE_PARAMS_v2
-    "cuGraphAddDependencies_v2": (_P, _P, _P, _P, _S),  # graph, from, to, edge data, count
-    "cuGraphDestroyNode": (_P,),
-    "cuGraphGetRootNodes": (_P, _P, _P),
-    "cuGraphExecKernelNodeSetParams_v2": (_P, _P, _P),  # exec, node (of the graph it was made from), params
-}
 _MIN_DRIVER = 12030
+# The driver entry points used here. Those of edges carry edge data: CUDA 12.x's bindings name them ``..._v2``,
+# CUDA 13's bindings give the plain name that signature (:func:`_edge_variant`).
+_ENTRY_POINTS = ("cuDriverGetVersion", "cuGetErrorString", "cuCtxGetCurrent", "cuModuleLoadData", "cuModuleGetFunction",
+                 "cuGraphGetNodes", "cuGraphGetRootNodes", "cuGraphNodeGetType", "cuGraphMemsetNodeGetParams",
+                 "cuGraphAddKernelNode", "cuGraphAddMemsetNode", "cuGraphDestroyNode", "cuGraphExecKernelNodeSetParams")
+_EDGE_ENTRY_POINTS = ("cuGraphNodeGetDependencies", "cuGraphNodeGetDependentNodes", "cuGraphAddDependencies")
+
+
+class RewriteError(RuntimeError):
+    """A graph rewrite failed; the graph is exactly as it was before the rewrite."""
+
+
+class GraphDamaged(RuntimeError):
+    """A graph rewrite failed and undoing it failed too: the graph must not be instantiated."""
+
+
+def _edge_variant(cu: Any, name: str) -> Any:
+    return getattr(cu, name + "_v2", None) or getattr(cu, name)
+
+
+@dataclass
+class _Launch:
+    """A kernel node's parameters (a ``CUDA_KERNEL_NODE_PARAMS``) and the ctypes argument values it points at, which
+    must outlive every use of the parameters (the driver copies them when a node is added or updated)."""
+
+    params: Any
+    keep: tuple
 
 
 class _Driver:
+    """The driver calls of the rewrites, one method each (``cuda.bindings.driver``). Node handles are the bindings'
+    ``CUgraphNode`` objects; ``key(node)`` is the handle's address, for sets and maps. Every method raises
+    ``RuntimeError`` naming the call on a driver error."""
+
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.lib = lib
-        missing = [n for n in ("cuDriverGetVersion", "cuGetErrorString", *_SIGNATURES) if not hasattr(lib, n)]
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError as exc:
+            raise OSError(f"cuda-bindings is not importable ({exc}); it comes with torch's CUDA wheels (or "
+                          "pip install 'nemo_cudagraph_plugin[cuda]')") from exc
+        missing = [n for n in _ENTRY_POINTS if not hasattr(cu, n)]
+        missing += [n for n in _EDGE_ENTRY_POINTS if not (hasattr(cu, n + "_v2") or hasattr(cu, n))]
         if missing:
-            raise OSError(f"libcuda.so.1 lacks {', '.join(missing)}")
-        for name in ("cuDriverGetVersion", "cuGetErrorString"):
-            getattr(lib, name).restype = ctypes.c_int
-        v = ctypes.c_int()
-        self.check(lib.cuDriverGetVersion(ctypes.byref(v)), "cuDriverGetVersion")
-        if v.value < _MIN_DRIVER:
-            raise OSError(f"CUDA driver {v.value} is older than 12.3")
-        self.version = v.value
-        self.fn: dict[str, Any] = {}
-        for name, args in _SIGNATURES.items():
-            f = getattr(lib, name)
-            f.argtypes, f.restype = list(args), ctypes.c_int
-            self.fn[name] = f
-        self.functions: dict[tuple[int, str], ctypes.c_void_p] = {}  # (context, kernel) -> CUfunction
-        self.modules: list[ctypes.c_void_p] = []  # loaded once per context, never unloaded
+            import cuda.bindings
 
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = ctypes.c_char_p()
-            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
-            raise RuntimeError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+            raise OSError(f"cuda-bindings {getattr(cuda.bindings, '__version__', '?')} lacks {', '.join(missing)}")
+        self.cu = cu
+        try:
+            err, version = cu.cuDriverGetVersion()
+        except Exception as exc:  # noqa: BLE001 - cuda-bindings raises its own error when libcuda cannot be loaded
+            raise OSError(f"no CUDA driver (libcuda.so.1 could not be loaded: {exc})") from exc
+        self.check(err, "cuDriverGetVersion")
+        if version < _MIN_DRIVER:
+            raise OSError(f"CUDA driver {version} is older than 12.3")
+        self.version = int(version)
+        self._deps = _edge_variant(cu, "cuGraphNodeGetDependencies")
+        self._dependents = _edge_variant(cu, "cuGraphNodeGetDependentNodes")
+        self._add_edges = _edge_variant(cu, "cuGraphAddDependencies")
+        #: ``(exec, node, params) -> (CUresult,)``: the per-replay call of :meth:`GraphIO.bind`
+        self.exec_kernel_set: Callable[..., tuple] = cu.cuGraphExecKernelNodeSetParams
+        self.functions: dict[tuple[int, str], Any] = {}  # (context, kernel) -> CUfunction
+        self.modules: list[Any] = []  # loaded once per context, never unloaded
 
-    def function(self, name: str) -> ctypes.c_void_p:
-        ctx = ctypes.c_void_p()
-        self.check(self.fn["cuCtxGetCurrent"](ctypes.byref(ctx)), "cuCtxGetCurrent")
-        key = (ctx.value or 0, name)
+    def check(self, err: Any, what: str) -> None:
+        if err:
+            _, msg = self.cu.cuGetErrorString(err)
+            text = msg.decode() if isinstance(msg, bytes) else str(msg)
+            raise RuntimeError(f"{what} failed: CUDA error {int(err)} ({text})")
+
+    @staticmethod
+    def key(node: Any) -> int:
+        return int(node)
+
+    def graph(self, raw: int) -> Any:
+        return self.cu.CUgraph(raw)
+
+    def graph_exec(self, raw: int) -> Any:
+        return self.cu.CUgraphExec(raw)
+
+    def function(self, name: str) -> Any:
+        err, ctx = self.cu.cuCtxGetCurrent()
+        self.check(err, "cuCtxGetCurrent")
+        key = (int(ctx), name)
         if key not in self.functions:
-            mod = ctypes.c_void_p()
-            self.check(self.fn["cuModuleLoadData"](ctypes.byref(mod), ctypes.c_char_p(_PTX.encode())), "cuModuleLoadData")
+            image = ctypes.create_string_buffer(_PTX.encode())  # NUL-terminated, alive during the call
+            err, mod = self.cu.cuModuleLoadData(ctypes.addressof(image))
+            self.check(err, "cuModuleLoadData")
             self.modules.append(mod)
             for k in _KERNELS:
-                f = ctypes.c_void_p()
-                self.check(self.fn["cuModuleGetFunction"](ctypes.byref(f), mod, k.encode()), "cuModuleGetFunction")
+                err, f = self.cu.cuModuleGetFunction(mod, k.encode())
+                self.check(err, "cuModuleGetFunction")
                 self.functions[(key[0], k)] = f
         return self.functions[key]
 
-    def nodes(self, graph: int) -> list[int]:
-        n = ctypes.c_size_t(0)
-        self.check(self.fn["cuGraphGetNodes"](ctypes.c_void_p(graph), None, ctypes.byref(n)), "cuGraphGetNodes")
-        arr = (ctypes.c_void_p * n.value)()
-        self.check(self.fn["cuGraphGetNodes"](ctypes.c_void_p(graph), arr, ctypes.byref(n)), "cuGraphGetNodes")
-        return [a or 0 for a in arr[: n.value]]
-
-    def node_type(self, node: int) -> int:
-        t = ctypes.c_int()
-        self.check(self.fn["cuGraphNodeGetType"](ctypes.c_void_p(node), ctypes.byref(t)), "cuGraphNodeGetType")
-        return t.value
-
-    def _edges(self, fn: str, node: int) -> list[int]:
-        # Edge data NULL: the driver refuses (an error, raised) an edge that carries data we would drop.
-        f = self.fn[fn]
-        n = ctypes.c_size_t(0)
-        self.check(f(ctypes.c_void_p(node), None, None, ctypes.byref(n)), fn)
-        if n.value == 0:
+    def _list(self, fn: Any, what: str, handle: Any) -> list:
+        err, _, n = fn(handle, 0)
+        self.check(err, what)
+        if not n:
             return []
-        arr = (ctypes.c_void_p * n.value)()
-        self.check(f(ctypes.c_void_p(node), arr, None, ctypes.byref(n)), fn)
-        return [a or 0 for a in arr[: n.value]]
+        err, out, n = fn(handle, n)
+        self.check(err, what)
+        return list(out[:n])
 
-    def replace_memset(self, graph: int, node: int, sm_count: int) -> bool:
-        """Put a fill kernel in ``node``'s place; False (graph unchanged) where the memset stays."""
-        p = _MemsetParams()
-        self.check(self.fn["cuGraphMemsetNodeGetParams"](ctypes.c_void_p(node), ctypes.byref(p)), "cuGraphMemsetNodeGetParams")
-        plan = fill_plan(p.dst, p.value, p.elementSize, p.width, p.height)
-        if plan is None:
-            return False
-        deps = self._edges("cuGraphNodeGetDependencies_v2", node)
-        after = self._edges("cuGraphNodeGetDependentNodes_v2", node)
-        dst, val, n = ctypes.c_uint64(p.dst), ctypes.c_uint32(plan.pattern), ctypes.c_uint64(plan.units)
-        kp = self.kernel_params(plan.kernel, (dst, val, n), max(1, min(-(-plan.units // _THREADS), 4 * sm_count)))
-        self.add_kernel(graph, kp, deps, after)
-        # The memset's own edges go with it; what waited for it now waits for the kernel.
-        self.check(self.fn["cuGraphDestroyNode"](ctypes.c_void_p(node)), "cuGraphDestroyNode")
-        return True
+    def nodes(self, graph: Any) -> list:
+        return self._list(self.cu.cuGraphGetNodes, "cuGraphGetNodes", graph)
 
-    def kernel_params(self, kernel: str, args: tuple, grid: int) -> _KernelParams:
-        """Launch parameters of one of the module's kernels; ``args`` (ctypes values) are read when a node is
-        added or updated with them (the driver copies them)."""
+    def roots(self, graph: Any) -> list:
+        return self._list(self.cu.cuGraphGetRootNodes, "cuGraphGetRootNodes", graph)
+
+    def node_type(self, node: Any) -> int:
+        err, t = self.cu.cuGraphNodeGetType(node)
+        self.check(err, "cuGraphNodeGetType")
+        return int(t)
+
+    def memset(self, node: Any) -> tuple[Any, tuple[int, int, int, int, int]]:
+        """The memset node's parameters: the driver's struct and ``(dst, value, elementSize, width, height)``."""
+        err, p = self.cu.cuGraphMemsetNodeGetParams(node)
+        self.check(err, "cuGraphMemsetNodeGetParams")
+        return p, (int(p.dst), int(p.value), int(p.elementSize), int(p.width), int(p.height))
+
+    def _edges(self, fn: Any, what: str, node: Any) -> list:
+        err, _, _, n = fn(node, 0)
+        self.check(err, what)
+        if not n:
+            return []
+        err, nodes, data, n = fn(node, n)
+        self.check(err, what)
+        for e in list(data or [])[:n]:
+            # An edge with data (a programmatic dependency, a port) would be added back as a plain one: refuse.
+            if int(e.type) or int(e.from_port) or int(e.to_port):
+                raise RuntimeError(f"{what}: an edge carries data (type {int(e.type)}), which these rewrites do not "
+                                   "keep")
+        return list(nodes[:n])
+
+    def dependencies(self, node: Any) -> list:
+        return self._edges(self._deps, "cuGraphNodeGetDependencies", node)
+
+    def dependents(self, node: Any) -> list:
+        return self._edges(self._dependents, "cuGraphNodeGetDependentNodes", node)
+
+    def launch(self, kernel: str, args: tuple, grid: int) -> _Launch:
+        """Launch parameters of one of the module's kernels; ``args`` (ctypes values) are read when a node is added
+        or updated with them."""
         arr = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        kp = _KernelParams()
-        kp.func = self.function(kernel).value
+        kp = self.cu.CUDA_KERNEL_NODE_PARAMS()
+        kp.func = self.function(kernel)
         kp.gridDimX, kp.gridDimY, kp.gridDimZ = grid, 1, 1
         kp.blockDimX, kp.blockDimY, kp.blockDimZ = _THREADS, 1, 1
-        kp.kernelParams = ctypes.cast(arr, ctypes.c_void_p)
-        kp._keep = (arr, args)  # alive as long as the params are
-        return kp
+        kp.sharedMemBytes = 0
+        kp.kernelParams = ctypes.addressof(arr)  # void**: the driver reads each argument through it
+        kp.extra = 0
+        return _Launch(kp, (arr, args))
 
-    def add_kernel(self, graph: int, kp: _KernelParams, deps: list[int], before: list[int]) -> int:
-        """A kernel node after ``deps`` that the nodes ``before`` wait for; returns it. Raises with the graph as it
-        was where an edge cannot be added."""
-        new = ctypes.c_void_p()
-        dep_arr = (ctypes.c_void_p * max(len(deps), 1))(*deps)
-        self.check(self.fn["cuGraphAddKernelNode_v2"](ctypes.byref(new), ctypes.c_void_p(graph), dep_arr,
-                                                    ctypes.c_size_t(len(deps)), ctypes.byref(kp)), "cuGraphAddKernelNode")
-        if before:
-            src = (ctypes.c_void_p * len(before))(*([new.value] * len(before)))
-            dst_arr = (ctypes.c_void_p * len(before))(*before)
-            rc = self.fn["cuGraphAddDependencies_v2"](ctypes.c_void_p(graph), src, dst_arr, None,
-                                                      ctypes.c_size_t(len(before)))
-            if rc != 0:
-                self.fn["cuGraphDestroyNode"](new)
-                self.check(rc, "cuGraphAddDependencies")
-        return new.value or 0
+    def add_kernel(self, graph: Any, launch: _Launch) -> Any:
+        err, node = self.cu.cuGraphAddKernelNode(graph, None, 0, launch.params)
+        self.check(err, "cuGraphAddKernelNode")
+        return node
 
-    def roots(self, graph: int) -> list[int]:
-        f = self.fn["cuGraphGetRootNodes"]
-        n = ctypes.c_size_t(0)
-        self.check(f(ctypes.c_void_p(graph), None, ctypes.byref(n)), "cuGraphGetRootNodes")
-        arr = (ctypes.c_void_p * max(n.value, 1))()
-        self.check(f(ctypes.c_void_p(graph), arr, ctypes.byref(n)), "cuGraphGetRootNodes")
-        return [a or 0 for a in arr[: n.value]]
+    def add_memset(self, graph: Any, params: Any) -> Any:
+        err, ctx = self.cu.cuCtxGetCurrent()
+        self.check(err, "cuCtxGetCurrent")
+        err, node = self.cu.cuGraphAddMemsetNode(graph, None, 0, params, ctx)
+        self.check(err, "cuGraphAddMemsetNode")
+        return node
 
-    def sinks(self, graph: int) -> list[int]:
-        return [n for n in self.nodes(graph) if not self._edges("cuGraphNodeGetDependentNodes_v2", n)]
+    def add_edges(self, graph: Any, src: list, dst: list) -> None:
+        (err,) = self._add_edges(graph, src, dst, None, len(src))
+        self.check(err, "cuGraphAddDependencies")
+
+    def destroy(self, node: Any) -> None:
+        (err,) = self.cu.cuGraphDestroyNode(node)
+        self.check(err, "cuGraphDestroyNode")
 
 
 _lock = threading.Lock()
@@ -338,9 +367,61 @@ def _get() -> Optional[_Driver]:
         return _driver
 
 
+def _need(what: str) -> _Driver:
+    drv = _get()
+    if drv is None:
+        raise RewriteError(f"{what} unavailable: {_driver_error}")
+    return drv
+
+
 def unavailable() -> Optional[str]:
-    """Why memsets cannot be rewritten on this machine, or None where they can."""
+    """Why graphs cannot be rewritten on this machine, or None where they can."""
     return None if _get() is not None else _driver_error
+
+
+class _Changes:
+    """The changes one rewrite made to a graph, in order, and how to undo them all (:meth:`undo`)."""
+
+    def __init__(self, drv: Any, graph: Any) -> None:
+        self.drv, self.graph = drv, graph
+        self.added: list[Any] = []  # nodes added (their edges go with them when destroyed)
+        self.removed: list[tuple[Any, int, list, list]] = []  # (params, key, dependencies, dependents) of memsets
+
+    def add_kernel(self, launch: _Launch) -> Any:
+        node = self.drv.add_kernel(self.graph, launch)
+        self.added.append(node)
+        return node
+
+    def add_edges(self, src: list, dst: list) -> None:
+        if src:  # every edge added here touches an added node: undone with it
+            self.drv.add_edges(self.graph, src, dst)
+
+    def remove_memset(self, node: Any, params: Any, deps: list, after: list) -> None:
+        self.drv.destroy(node)
+        self.removed.append((params, self.drv.key(node), deps, after))
+
+    def undo(self, exc: BaseException) -> RewriteError:
+        """Put the graph back as it was; the error to raise (:class:`GraphDamaged` where that failed too)."""
+        drv = self.drv
+        try:
+            # Memsets first, then their edges: an edge may join two of them. Their neighbours are nodes of the
+            # graph as captured (read before any change), or other removed memsets (mapped to their new node).
+            back = {k: drv.add_memset(self.graph, params) for params, k, _, _ in self.removed}
+            edges: dict[tuple[int, int], tuple[Any, Any]] = {}
+            for _, k, deps, after in self.removed:
+                for d in deps:
+                    edges[(drv.key(d), k)] = (back.get(drv.key(d), d), back[k])
+                for a in after:
+                    edges[(k, drv.key(a))] = (back[k], back.get(drv.key(a), a))
+            if edges:
+                src, dst = zip(*edges.values())
+                drv.add_edges(self.graph, list(src), list(dst))
+            for node in reversed(self.added):
+                drv.destroy(node)
+        except Exception as undo_exc:  # noqa: BLE001 - reported with the original error
+            return GraphDamaged(f"{exc}; undoing the rewrite failed too ({undo_exc}): the graph must not be used")
+        self.removed, self.added = [], []
+        return RewriteError(str(exc))
 
 
 @dataclass
@@ -349,21 +430,58 @@ class RewriteResult:
     kept: int = 0  # memsets no fill kernel covers (2-D, unaligned 2-byte)
 
 
-def rewrite_memsets(graph: int, sm_count: int) -> RewriteResult:
+@dataclass
+class _Memset:
+    node: Any
+    params: Any
+    dst: int
+    plan: FillPlan
+    deps: list = field(default_factory=list)
+    after: list = field(default_factory=list)
+
+
+def rewrite_memsets(graph: int, sm_count: int, driver: Any = None) -> RewriteResult:
     """Replace the memset nodes of the (not yet instantiated) graph ``graph`` (a ``CUgraph`` handle, e.g.
-    ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()``) by fill kernels. Each replacement leaves a
-    valid graph, so an error midway (raised) leaves the memsets not yet reached in place."""
-    drv = _get()
-    if drv is None:
-        raise RuntimeError(f"memset rewrite unavailable: {_driver_error}")
+    ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()``) by fill kernels.
+
+    All or nothing: every node, memset, edge and kernel is read first; then the fill kernels are added with the
+    memsets' edges, and only then the memsets removed. An error at any point undoes every change (raised as
+    :class:`RewriteError`, the graph as captured). ``driver``: a stand-in of the driver layer, for tests."""
+    drv = driver if driver is not None else _need("memset rewrite")
+    g = drv.graph(graph)
     res = RewriteResult()
-    for node in drv.nodes(graph):
-        if drv.node_type(node) != _MEMSET:
-            continue
-        if drv.replace_memset(graph, node, sm_count):
-            res.replaced += 1
-        else:
-            res.kept += 1
+    todo: list[_Memset] = []
+    try:
+        for node in drv.nodes(g):
+            if drv.node_type(node) != _MEMSET:
+                continue
+            params, (dst, value, esize, width, height) = drv.memset(node)
+            plan = fill_plan(dst, value, esize, width, height)
+            if plan is None:
+                res.kept += 1
+                continue
+            todo.append(_Memset(node, params, dst, plan, drv.dependencies(node), drv.dependents(node)))
+        launches = [drv.launch(m.plan.kernel, (ctypes.c_uint64(m.dst), ctypes.c_uint32(m.plan.pattern),
+                                                ctypes.c_uint64(m.plan.units)),
+                               max(1, min(-(-m.plan.units // _THREADS), 4 * sm_count))) for m in todo]
+    except RuntimeError as exc:  # nothing changed yet
+        raise RewriteError(str(exc)) from exc
+    changes = _Changes(drv, g)
+    try:
+        kernels = {drv.key(m.node): changes.add_kernel(launch) for m, launch in zip(todo, launches)}
+        for m in todo:
+            k = kernels[drv.key(m.node)]
+            # What the memset waited for (a replaced memset: its kernel), and what waited for it (a replaced
+            # memset gets that edge as its own dependency above).
+            deps = [kernels.get(drv.key(d), d) for d in m.deps]
+            changes.add_edges(deps, [k] * len(deps))
+            after = [a for a in m.after if drv.key(a) not in kernels]
+            changes.add_edges([k] * len(after), after)
+        for m in todo:  # the memset's own edges go with it
+            changes.remove_memset(m.node, m.params, m.deps, m.after)
+    except Exception as exc:
+        raise changes.undo(exc) from exc
+    res.replaced = len(todo)
     return res
 
 
@@ -378,27 +496,36 @@ class GraphIO:
     or after the graph: on an H200 each such launch costs the device 2.5-3.5 µs between two replays
     (``benchmarks/step_boundary.py``) and the host one torch operation.
 
-    The graph must not be instantiated yet; call :meth:`instantiated` with its executable graph after, and
-    :meth:`bind` before every launch (until bound, each node copies its buffers onto themselves). A launch that is
-    already queued keeps the addresses it was launched with (``cuGraphExecKernelNodeSetParams``).
+    All or nothing: the roots, sinks and kernel are read first; an error while adding the nodes destroys those added
+    (raised as :class:`RewriteError`, the graph as captured). The graph must not be instantiated yet; call
+    :meth:`instantiated` with its executable graph after, and :meth:`bind` before every launch (until bound, each
+    node copies its buffers onto themselves). A launch that is already queued keeps the addresses it was launched
+    with (``cuGraphExecKernelNodeSetParams``). ``driver``: a stand-in of the driver layer, for tests.
     """
 
-    def __init__(self, graph: int, inputs: list[tuple[int, int]], outputs: list[tuple[int, int]], sm_count: int) -> None:
-        drv = _get()
-        if drv is None:
-            raise RuntimeError(f"graph I/O nodes unavailable: {_driver_error}")
+    def __init__(self, graph: int, inputs: list[tuple[int, int]], outputs: list[tuple[int, int]], sm_count: int,
+                 driver: Any = None) -> None:
+        drv = driver if driver is not None else _need("graph I/O nodes")
         self._drv = drv
-        roots, sinks = drv.roots(graph), drv.sinks(graph)
+        g = drv.graph(graph)
         k = _COPY_SEGMENTS
-        self._in = [self._node(graph, inputs[i:i + k], sm_count, [], roots, far_is_src=True)
-                    for i in range(0, len(inputs), k)]
-        self._out = [self._node(graph, outputs[i:i + k], sm_count, sinks, [], far_is_src=False)
-                     for i in range(0, len(outputs), k)]
-        self._exec: Optional[ctypes.c_void_p] = None
-        self._set = drv.fn["cuGraphExecKernelNodeSetParams_v2"]
+        try:
+            roots = drv.roots(g)
+            sinks = [n for n in drv.nodes(g) if not drv.dependents(n)]
+            ins = [self._launch(inputs[i:i + k], sm_count, far_is_src=True) for i in range(0, len(inputs), k)]
+            outs = [self._launch(outputs[i:i + k], sm_count, far_is_src=False) for i in range(0, len(outputs), k)]
+        except RuntimeError as exc:  # nothing changed yet
+            raise RewriteError(str(exc)) from exc
+        changes = _Changes(drv, g)
+        try:
+            self._in = [self._add(changes, launch, far, [], roots) for far, launch in ins]
+            self._out = [self._add(changes, launch, far, sinks, []) for far, launch in outs]
+        except Exception as exc:
+            raise changes.undo(exc) from exc
+        self._exec: Any = None
+        self._set = drv.exec_kernel_set
 
-    def _node(self, graph: int, spans: list[tuple[int, int]], sm_count: int, deps: list[int], before: list[int],
-              far_is_src: bool) -> tuple:
+    def _launch(self, spans: list[tuple[int, int]], sm_count: int, far_is_src: bool) -> tuple[list, _Launch]:
         args: list[ctypes.c_uint64] = []
         far = []  # the argument bind() sets, per span
         for addr, nbytes in spans + [(0, 0)] * (_COPY_SEGMENTS - len(spans)):  # unused spans copy 0 bytes
@@ -406,14 +533,19 @@ class GraphIO:
             args += (dst, src, ctypes.c_uint64(nbytes))
             far.append(src if far_is_src else dst)
         grid = max(1, min(-(-max(n for _, n in spans) // (16 * _THREADS)), 4 * sm_count))
-        kp = self._drv.kernel_params("ncg_copy", tuple(args), grid)
-        node = self._drv.add_kernel(graph, kp, deps, before)
-        # (the arguments bind() sets, the node, the params passed by reference): built once, used per launch
-        return (far[: len(spans)], ctypes.c_void_p(node), ctypes.byref(kp), kp)
+        return far[: len(spans)], self._drv.launch("ncg_copy", tuple(args), grid)
+
+    @staticmethod
+    def _add(changes: _Changes, launch: _Launch, far: list, deps: list, before: list) -> tuple:
+        node = changes.add_kernel(launch)
+        changes.add_edges(deps, [node] * len(deps))
+        changes.add_edges([node] * len(before), before)
+        # (the arguments bind() sets, the node, the params the driver reads them through, what keeps them alive)
+        return (far, node, launch.params, launch)
 
     def instantiated(self, graph_exec: int) -> None:
         """The executable graph made from this graph (its nodes are updated there)."""
-        self._exec = ctypes.c_void_p(graph_exec)
+        self._exec = self._drv.graph_exec(graph_exec)
 
     def bind(self, srcs: list[Any], dsts: list[Any]) -> None:
         """The next launch copies the batch in from the tensors ``srcs`` (one per input, laid out as its buffer)
@@ -424,18 +556,28 @@ class GraphIO:
             for far, node, ref, _ in nodes:
                 for arg, t in zip(far, tensors):  # far first: zip stops there without taking the next node's tensor
                     arg.value = t.data_ptr()
-                rc = set_params(ex, node, ref)
+                (rc,) = set_params(ex, node, ref)
                 if rc:
                     self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
 
 
-def node_types(graph: int) -> dict[str, int]:
+def node_types(graph: int, driver: Any = None) -> dict[str, int]:
     """Node count by kind ("kernel", "memset", "other") of a graph: for tests and evidence."""
-    drv = _get()
-    if drv is None:
-        raise RuntimeError(f"graph inspection unavailable: {_driver_error}")
+    drv = driver if driver is not None else _need("graph inspection")
     out = {"kernel": 0, "memset": 0, "other": 0}
-    for node in drv.nodes(graph):
+    for node in drv.nodes(drv.graph(graph)):
         t = drv.node_type(node)
         out["kernel" if t == _KERNEL else "memset" if t == _MEMSET else "other"] += 1
     return out
+
+
+def graph_shape(graph: int, driver: Any = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A graph's nodes and edges, comparable across a rewrite that was undone: a memset node is named by its
+    parameters (an undo adds it back as a new node), any other node by its handle. For tests."""
+    drv = driver if driver is not None else _need("graph inspection")
+    g = drv.graph(graph)
+    names = {}
+    for node in drv.nodes(g):
+        names[drv.key(node)] = ("memset", drv.memset(node)[1]) if drv.node_type(node) == _MEMSET else drv.key(node)
+    edges = [(names[drv.key(n)], names[drv.key(a)]) for n in drv.nodes(g) for a in drv.dependents(n)]
+    return tuple(sorted(map(repr, names.values()))), tuple(sorted(map(repr, edges)))

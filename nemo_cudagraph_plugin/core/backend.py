@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from . import _cuda_nodes
+from .config import CaptureConfig
 from .warn import warn_once
 
 __all__ = ["CudaBackend", "GraphBackend"]
@@ -47,8 +48,9 @@ class GraphBackend:
     def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
         """Make a graph whose capture the engine keeps ready to replay.
 
-        ``io``: the graph's input buffers and outputs, where the engine lets the graph copy them itself. Returns
-        an object whose ``bind(batch, fresh)`` makes the next replay copy the batch tensors ``batch`` into the input
+        ``io``: the graph's input buffers and outputs (the engine always passes them; ``None`` where a caller has
+        none). Where this backend lets the graph copy them itself (its ``io_in_graph`` choice, made once at
+        construction, and the tensors allow it), returns an object whose ``bind(batch, fresh)`` makes the next replay copy the batch tensors ``batch`` into the input
         buffers before its first node and the outputs into ``fresh`` after its last; ``None``: the engine copies
         them around the replay.
         """
@@ -82,8 +84,9 @@ class CudaBackend(GraphBackend):
         io_in_graph: add copy kernel nodes for the batch (before the graph's first node) and the outputs (after its
             last) whose addresses are set before each replay (``_cuda_nodes.GraphIO``), for contiguous tensors.
 
-    Both need the driver API and ``CUDAGraph(keep_graph=True)``; without them graphs keep their memsets and the
-    engine copies around the replay.
+    Both need the driver API through ``cuda-bindings`` (a CUDA driver >= 12.3) and ``CUDAGraph(keep_graph=True)``
+    (torch >= 2.8); without them graphs stay as captured (one warning says why) and the engine copies around the
+    replay. A rewrite that fails leaves the graph as captured (one warning).
     """
 
     device_type = "cuda"
@@ -95,6 +98,9 @@ class CudaBackend(GraphBackend):
         #: why the batch and outputs are copied around the replay; None: by the graph (where the tensors allow)
         self.io_kept: Optional[str] = "io_in_graph=False" if not io_in_graph else surgery
         self.memsets_rewritten = 0
+        if surgery is not None and (memsets_as_kernels or io_in_graph):
+            warn_once("graph-rewrites", f"captured graphs stay as captured (their memset nodes stay, the batch and "
+                      f"outputs are copied around each replay): {surgery}")
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
         # keep_graph: captured but not instantiated, so its nodes can still change (instantiated in finish()).
@@ -116,16 +122,18 @@ class CudaBackend(GraphBackend):
             return None  # instantiated by torch at the end of the capture
         raw = graph.raw_cuda_graph()
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        # Each rewrite is all or nothing: a RewriteError leaves the graph as captured (GraphDamaged, where undoing
+        # failed too, is raised: the capture fails as any other).
         if self.memsets_kept is None:
             try:
                 self.memsets_rewritten += _cuda_nodes.rewrite_memsets(raw, sms).replaced
-            except RuntimeError as exc:  # the graph is valid either way: what was not rewritten stays a memset
+            except _cuda_nodes.RewriteError as exc:
                 warn_once("memsets-as-kernels", f"memset nodes of a captured graph stay memsets: {exc}")
         nodes = None
         if self.io_kept is None and io is not None and _copyable(io[0]) and _copyable(io[1]):
             try:
                 nodes = _cuda_nodes.GraphIO(raw, _spans(io[0]), _spans(io[1]), sms)
-            except RuntimeError as exc:  # a node added before the error copies its buffer onto itself until bound
+            except _cuda_nodes.RewriteError as exc:
                 warn_once("io-in-graph", f"the batch and outputs are copied around the replay: {exc}")
         graph.instantiate()
         if nodes is not None:
@@ -157,9 +165,10 @@ class CudaBackend(GraphBackend):
         torch.cuda.set_rng_state(state, device)
 
 
-def default_backend(backend: Optional[GraphBackend], memsets_as_kernels: bool = True,
-                    io_in_graph: bool = True) -> GraphBackend:
-    return backend if backend is not None else CudaBackend(memsets_as_kernels, io_in_graph)
+def default_backend(backend: Optional[GraphBackend], config: CaptureConfig) -> GraphBackend:
+    """``backend``, or the CUDA backend for ``config``: the one place that reads the options ``memsets_as_kernels``
+    and ``io_in_graph`` (the engine asks the backend, never the options)."""
+    return backend if backend is not None else CudaBackend(config.memsets_as_kernels, config.io_in_graph)
 
 
 def _copyable(tensors: list[torch.Tensor]) -> bool:

@@ -213,10 +213,10 @@ class CaptureStats:
     recaptures: int = 0
     verified_steps: int = 0
     skipped_steps: int = 0
-    #: memset nodes of the captured graphs that run as fill kernels (``memsets_as_kernels``)
-    memsets_as_kernels: int = 0
-    #: captured graphs that copy the batch in and their outputs out themselves (``io_in_graph``)
-    io_in_graph: int = 0
+    #: memset nodes of the captured graphs rewritten as fill kernels (option ``memsets_as_kernels``)
+    memsets_rewritten: int = 0
+    #: captures whose graph copies the batch in and its outputs out with its own nodes (option ``io_in_graph``)
+    graphs_with_io_nodes: int = 0
     #: the device's peak allocated memory (``torch.cuda.max_memory_allocated``) just before the first capture: what
     #: the model, its optimizer state and the eager warm-up steps needed (0 on CPU)
     peak_eager_bytes: int = 0

@@ -56,7 +56,7 @@ repeats what it needs after each replay (``after_replay``). Hazards covered here
 * random numbers: the default generator is advanced per replay by the backend; extra generators
   are registered through :class:`~.rng.GeneratorRegistry`;
 * ``verify_steps``: the eager half records every tensor it writes (and the adapter's
-  ``mutable_fn`` tensors, generators, host counters) and restores them before the graph's step
+  ``mutable_tensors``, generators, host counters) and restores them before the graph's step
   runs, so verification leaves training exactly as an unverified run.
 """
 
@@ -69,13 +69,14 @@ import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._torch_compat import copy_all
+from .adapter import Guard, Named, StepAdapter, StepFunctions
 from .backend import GraphBackend, default_backend
 from .buffers import StaticInputs, flatten, signature_of, unflattener
 from .config import CaptureConfig, CaptureStats
@@ -86,8 +87,6 @@ from .rng import GeneratorRegistry
 __all__ = ["CaptureEngine", "GraphEntry"]
 
 StepFn = Callable[[Any], Any]
-Guard = Callable[[], Optional[str]]
-Named = Union[Tensor, tuple[str, Tensor]]
 
 _data_ptr = Tensor.data_ptr
 _call = operator.call
@@ -155,18 +154,14 @@ class CaptureEngine:
         config: options (warm-up, cache size, error policy, verification).
         device: the device the step runs on.
         named_params: the model's trainable ``(name, parameter)`` pairs.
-        state_fn: every other tensor the step reads or writes across steps (optimizer state,
-            learning-rate tensors), as tensors or ``(name, tensor)``; called at capture and on
-            checks after eager steps, never per replay.
+        adapter: what the framework tells the engine about its steps (:class:`~.adapter.StepAdapter`: the state
+            the step reads and writes, guards, hazard checks, what to repeat after a replay); its per-step members
+            are bound here, once. Default: nothing besides the parameters (:class:`~.adapter.StepFunctions`).
         generators: extra generators to register with each graph.
-        host_state: returns a function that restores host-side counters the step mutates; used
-            when a failed capture or a verification run must be undone.
         stats: counters to update (one shared :class:`CaptureStats` per trainer).
-        backend: the device interface (:class:`~.backend.CudaBackend` by default).
-        watched_fn: other ``(name, tensor)`` pairs a graph reads (frozen parameters, module
-            buffers): their addresses are recorded and checked like ``state_fn``'s.
-        mutable_fn: tensors the step writes without going through torch's dispatcher (e.g.
-            TransformerEngine's FP8 scaling state): snapshotted around ``verify_steps``.
+        backend: the device interface. Default: a :class:`~.backend.CudaBackend` built from ``config``'s
+            ``memsets_as_kernels`` and ``io_in_graph``, which it decides once (what the option asks and what
+            torch and the driver allow); a backend passed in carries its own choice of both.
     """
 
     def __init__(
@@ -174,16 +169,13 @@ class CaptureEngine:
         config: CaptureConfig,
         device: torch.device,
         named_params: Sequence[tuple[str, Tensor]],
-        state_fn: Callable[[], Sequence[Named]] = lambda: [],
-        generators: Optional[GeneratorRegistry] = None,
-        host_state: Optional[Callable[[], Callable[[], None]]] = None,
-        stats: Optional[CaptureStats] = None,
+        adapter: Optional[StepAdapter] = None,
         *,
+        generators: Optional[GeneratorRegistry] = None,
+        stats: Optional[CaptureStats] = None,
         backend: Optional[GraphBackend] = None,
-        watched_fn: Callable[[], Sequence[tuple[str, Tensor]]] = lambda: [],
-        mutable_fn: Callable[[], Sequence[Tensor]] = lambda: [],
     ) -> None:
-        self.backend = default_backend(backend, config.memsets_as_kernels, config.io_in_graph)
+        self.backend = default_backend(backend, config)
         if device.type != self.backend.device_type:
             raise ValueError(f"CaptureEngine needs a {self.backend.device_type.upper()} device, got {device}")
         if device.type == "cuda" and device.index is None:
@@ -191,20 +183,19 @@ class CaptureEngine:
         self.config = config
         self.device = device
         self.named_params = list(named_params)
-        self.state_fn = state_fn
-        self.watched_fn = watched_fn
-        self.mutable_fn = mutable_fn
+        self.adapter: StepAdapter = adapter if adapter is not None else StepFunctions()
+        # The adapter's members, bound once: a replay calls them without looking anything up.
+        a = self.adapter
+        self.state_fn: Callable[[], Sequence[Named]] = a.state_tensors
+        self.watched_fn: Callable[[], Sequence[tuple[str, Tensor]]] = a.watched_tensors
+        self.mutable_fn: Callable[[], Sequence[Tensor]] = a.mutable_tensors
+        self.host_state: Callable[[], Callable[[], None]] = a.host_state
+        self.guards: list[Guard] = list(a.guards())
+        self.after_replay: Optional[Callable[[GraphEntry], None]] = a.after_replay
+        self.on_capture: Optional[Callable[[GraphEntry], None]] = a.on_capture
         self.generators = generators or GeneratorRegistry()
-        self.host_state = host_state or (lambda: (lambda: None))
         self.stats = stats or CaptureStats()
         self.cache: GraphCache[GraphEntry] = GraphCache(config.max_graphs)
-        self.guards: list[Guard] = []
-        self.after_replay: Optional[Callable[[GraphEntry], None]] = None
-        self.on_capture: Optional[Callable[[GraphEntry], None]] = None
-        # Adapters add hazard checks: context managers entered around each capture (they may raise
-        # CaptureError on exit) and checks run right after it; both see Python only, never a replay.
-        self.capture_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
-        self.post_capture_checks: list[Callable[[], None]] = []
         self.disabled_reason: Optional[str] = None
         self._flag = _Flag()
         self._pool: Any = None
@@ -467,15 +458,17 @@ class CaptureEngine:
                 p.grad = g
 
         try:
+            # The adapter's hazard checks: contexts around the capture (they may raise CaptureError on exit) and
+            # checks right after it; both see Python only, never a replay.
             with contextlib.ExitStack() as checks:
-                for make in self.capture_contexts:
+                for make in self.adapter.capture_contexts():
                     checks.enter_context(make())
                 with be.capture(graph, self._pool, self._side_stream()):
                     out = fn(inputs.batch)
-            for check in self.post_capture_checks:
+            for check in self.adapter.post_capture_checks():
                 check()
             out_leaves, out_spec = flatten(out)
-            io = be.finish(graph, (inputs.leaves, out_leaves) if self.config.io_in_graph else None)
+            io = be.finish(graph, (inputs.leaves, out_leaves))  # the backend decided io_in_graph once
         except CaptureError as err:  # a hazard check refused this capture
             undo()
             return self._handle_capture_error(err, err, fn, batch)
@@ -515,8 +508,8 @@ class CaptureEngine:
         self._scan_ptrs = list(map(_data_ptr, self._scan))
         self.stats.captures += 1
         self.stats.graphs = len(self.cache)
-        self.stats.memsets_as_kernels = be.memsets_rewritten
-        self.stats.io_in_graph += io is not None
+        self.stats.memsets_rewritten = be.memsets_rewritten
+        self.stats.graphs_with_io_nodes += io is not None
         if self.on_capture is not None:
             self.on_capture(entry)
         self.stats.capture_time_s += time.perf_counter() - t0
@@ -542,7 +535,7 @@ class CaptureEngine:
 
         The eager half runs first under a recorder that snapshots every pre-existing tensor before
         its first write (parameters, gradients, optimizer state, module buffers such as BatchNorm
-        statistics, NaN-guard accumulators); those, the adapter's ``mutable_fn`` tensors, every
+        statistics, NaN-guard accumulators); those, the adapter's ``mutable_tensors``, every
         generator and the host counters are restored before the graph's step, whose effects are
         the ones that stay. Training is then exactly that of an unverified run.
         """
@@ -606,8 +599,8 @@ class _WriteRecorder(TorchDispatchMode):
     arguments of the batch-norm kernels, whose schemas (``native_batch_norm``, ``cudnn_batch_norm``,
     ``miopen_batch_norm``, ``batch_norm_update_stats``) do not mark them as written although the
     kernels update them. Tensors created inside the block are skipped. Kernels that bypass torch's
-    dispatcher (custom C++ extensions) are invisible here: the engine snapshots those through
-    ``mutable_fn`` (the Lightning adapter passes the module's buffers and TE's FP8 scaling state).
+    dispatcher (custom C++ extensions) are invisible here: the engine snapshots those through its
+    adapter's ``mutable_tensors`` (the Lightning adapter passes the module's buffers and TE's FP8 scaling state).
     """
 
     def __init__(self) -> None:

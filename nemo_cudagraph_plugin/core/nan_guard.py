@@ -38,7 +38,8 @@ slot to its parameter's name. At epoch and fit end :meth:`NanGuard.check` reads 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -48,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import NonFiniteError
 from .finite import FiniteCheck, arm, capturing, table_length
 
-__all__ = ["NanGuard"]
+__all__ = ["NanGuard", "NanPolicy"]
 
 # Checks kept for gradient sets seen only in eager steps (a graph's checks are never dropped).
 _MAX_EAGER_CHECKS = 8
@@ -313,6 +314,126 @@ class NanGuard:
         self.grad_bad.zero_()
         if self._param_check is not None:
             arm(self._param_check[2])  # the next window's first non-finite loss reads the parameters again
+
+
+class NanPolicy:
+    """The NaN guard's decisions for a training loop, in one place: which check each step gets, when the
+    accumulators are read, and how a bad read is reported. The framework adapter tells it what it knows (the step
+    clips, clips by norm; its own clipping can be tapped) and calls it at the points of the step.
+
+    Each step gets one of three checks, all device work captured with the step:
+
+    * **the loss is watched** instead of any gradient being read (:meth:`NanGuard.watch_loss`, from
+      :meth:`note_loss`, before backward) where nothing mixes the gradients: ``may_watch`` (one process, plain
+      tensors, ``nan_action="raise"``), the framework's own clipping (``may_defer``) and a step that does not clip;
+    * **the clipping norms** are read (:meth:`clip_by_norm`, around the framework's clipping by norm) where the step
+      clips by norm with the framework's own clipping (``may_defer``) and the gradients share one dtype; a step whose
+      clipping did not run after all is checked at its end;
+    * otherwise **every gradient** is read before clipping (:meth:`NanGuard.observe_grads`, which also writes the
+      fused optimizer's ``found_inf`` where updates are skipped).
+
+    Reads: every ``check_every`` steps a queued read (no host sync), reported by the first later step that finds it
+    written (:meth:`after_run`); :meth:`check` reads now (epoch and fit end, a changed trainable set).
+
+    Args:
+        guard: the accumulators.
+        action: ``"raise"`` (a bad read raises :class:`NonFiniteError`) or ``"skip"`` (it warns; the skipped updates
+            are counted into ``stats.skipped_steps``).
+        check_every: steps between queued reads.
+        stats: the counters (``skipped_steps``).
+        may_watch: the loss may be watched instead of reading the gradients (see above).
+        step: the training loop's step counter, for the window a report names.
+        checked_at: that counter at the last read (the window of the first report starts there).
+    """
+
+    def __init__(self, guard: NanGuard, action: str, check_every: int, stats: Any, *, may_watch: bool,
+                 step: Callable[[], int], checked_at: int = 0) -> None:
+        self.guard = guard
+        self.raise_on_bad = action == "raise"
+        self.check_every = check_every
+        self.stats = stats
+        self.may_watch = may_watch
+        #: the framework's own clipping by norm runs (not a user override): its norms may stand in for a read
+        self.may_defer = False
+        self._step = step
+        #: the loop's step counter at the last read
+        self.checked_at = checked_at
+        self._defer = False  # this step's gradient check is left to the clipping norms
+        self._watched = False  # this step's loss was watched (no gradient is read)
+
+    # -- the step (inside the captured region) ------------------------------------------------
+    def begin_step(self) -> None:
+        self._watched = False
+
+    def note_loss(self, loss: Any, clips: bool) -> None:
+        """The loss about to be back-propagated (every micro-batch); ``clips``: this step clips gradients."""
+        if (self.may_watch and self.may_defer
+                and not clips and isinstance(loss, Tensor)):
+            self.guard.watch_loss(loss)
+            self._watched = True
+
+    def before_clip(self, clips_by_norm: bool, found_inf: Optional[Tensor]) -> None:
+        """Right before clipping and the optimizer step; ``found_inf``: the fused optimizer's skip flag (skip mode)."""
+        guard = self.guard
+        if self._watched:
+            guard.scan_params = True  # a bad gradient stays in its own parameter: the reads scan them
+            return
+        if self.may_defer and clips_by_norm and len({p.grad.dtype for p in guard.params if p.grad is not None}) == 1:
+            self._defer = True
+            return
+        guard.observe_grads(found_inf)
+
+    def clip_by_norm(self, clip: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Around the framework's clipping by norm: the check of a deferred step reads the norms it computes."""
+        if not self._defer:
+            return clip(*args, **kwargs)
+        self._defer = False
+        with self.guard.norm_tap() as tap:
+            out = clip(*args, **kwargs)
+        if not tap.covered:  # not every gradient got a norm: read them (after the clip factor, still non-finite)
+            self.guard.observe_grads()
+        return out
+
+    def end_step(self, out: Any) -> None:
+        """After the step's Python (``out``: what the step returned; its ``"loss"`` goes into the accumulator)."""
+        if self._defer:  # the step clipped nothing after all: check its (unchanged) gradients now
+            self._defer = False
+            self.guard.observe_grads()
+        if self._watched:
+            self._watched = False  # its loss went into the accumulator with the watch
+        elif isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
+            self.guard.observe_loss(out["loss"])
+
+    # -- reads (host side) ----------------------------------------------------------------------
+    def after_run(self, runs: int) -> None:
+        """After every step (eager or replayed; ``runs`` so far): report a queued read once written; queue one
+        every ``check_every`` steps."""
+        guard = self.guard
+        if guard.read_pending:
+            self._report(guard.poll(raise_on_bad=self.raise_on_bad))
+        if runs % self.check_every == 0:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """Queue a read (no host sync); a later step's :meth:`after_run` reports it once written."""
+        self.guard.snapshot(self._window())
+        self._report(self.guard.poll(raise_on_bad=self.raise_on_bad))  # a CPU device: ready now
+
+    def check(self) -> None:
+        """Read now (one host sync); raise or report."""
+        self._report(self.guard.check(raise_on_bad=self.raise_on_bad, window=self._window()))
+
+    def _window(self) -> str:
+        gs = self._step()
+        window = f"in the optimizer steps after global step {self.checked_at} up to {gs}"
+        self.checked_at = gs
+        return window
+
+    def _report(self, report: Optional[str]) -> None:
+        # Skip mode: the guard's reads carry the count of skipped updates (no extra sync for it).
+        self.stats.skipped_steps = self.guard.skipped_read if not self.raise_on_bad else 0
+        if report is not None:
+            warnings.warn(f"{report} The optimizer update of those steps was skipped.", stacklevel=4)
 
 
 _FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar

@@ -20,7 +20,10 @@ which the flags are set as ``_create_transpose()`` sets them.
 
 Where it runs:
 
-* :func:`install_fp8_refresh` registers a torch ``optimizer.register_step_post_hook``. Eager
+* :func:`install_fp8_refresh` is the one installer every entry point calls (the Lightning callbacks and
+  strategy, the Megatron all-gather paths). On a torch optimizer it registers an
+  ``optimizer.register_step_post_hook``; for another framework's event (megatron-core's parameter all-gather
+  completion) it hands the refresh to an ``attach`` function of the caller. Eager
   steps run the refresh right after ``optimizer.step()``. When the optimizer step is captured
   into a CUDA graph, the hook runs once at capture and its transpose kernels become part of the
   graph right after the optimizer's kernels: every replay refreshes with no Python work.
@@ -35,7 +38,7 @@ itself, and any host synchronisation (there is none in the refresh).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -47,6 +50,7 @@ from . import _te_compat as te
 from ._multi_transpose import MultiTranspose, triton_available
 
 __all__ = [
+    "Attach",
     "Fp8RefreshHandle",
     "Fp8RefreshPlan",
     "Fused",
@@ -137,14 +141,19 @@ def fp8_refresh_wanted(mode: Union[bool, str], params_or_module: ParamsOrModule)
     Raises:
         ValueError: bad ``mode``, or ``mode=True`` and the model has no FP8 parameter.
     """
-    if mode not in (True, False, "auto"):
-        raise ValueError(f"fp8_refresh={mode!r} is invalid: use True, False or 'auto'.")
+    _check_mode(mode, "")
     if mode is False:
         return False
     has = next(iter_fp8_params(params_or_module), None) is not None
     if mode is True and not has:
         raise ValueError(_no_fp8_message("fp8_refresh=True"))
     return has
+
+
+def _check_mode(mode: Any, owner: str) -> None:
+    if mode not in (True, False, "auto") or (isinstance(mode, int) and not isinstance(mode, bool)):
+        where = f"{owner}: fp8_refresh={mode!r}" if owner else f"fp8_refresh={mode!r}"
+        raise ValueError(f"{where} is invalid: use True, False or 'auto'.")
 
 
 def _no_fp8_message(what: str) -> str:
@@ -424,36 +433,52 @@ def after_param_sync(
 # --------------------------------------------------------------------------------------------
 
 
+#: ``attach(refresh) -> detach``: makes a framework's event call ``refresh()`` (which returns how many transposes
+#: it refreshed) where new FP8 bytes land, and returns the function that undoes that.
+Attach = Callable[[Callable[[], int]], Callable[[], None]]
+
+
 class Fp8RefreshHandle:
-    """A refresh installed on an optimizer by :func:`install_fp8_refresh`.
+    """A refresh installed by :func:`install_fp8_refresh`.
 
     Attributes:
-        plan: the :class:`Fp8RefreshPlan` run after each step.
+        plan: the :class:`Fp8RefreshPlan` run after each step (or event).
+        optimizer: the optimizer whose step it follows; ``None`` for an ``attach`` event.
         calls: host-side runs of the hook (a captured step replays without coming back here).
         last_refreshed: transposes refreshed by the last host-side run.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, plan: Fp8RefreshPlan) -> None:
-        self.optimizer = optimizer
+    def __init__(self, where: Union[torch.optim.Optimizer, Attach], plan: Fp8RefreshPlan) -> None:
         self.plan = plan
         self.calls = 0
         self.last_refreshed = 0
-        self._handle: Any = optimizer.register_step_post_hook(self._hook)
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._detach: Optional[Callable[[], None]]
+        if callable(getattr(where, "register_step_post_hook", None)):
+            self.optimizer = where  # type: ignore[assignment]
+            self._detach = where.register_step_post_hook(self._hook).remove  # type: ignore[union-attr]
+        else:
+            self._detach = where(self.run)  # type: ignore[operator]
 
-    def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def run(self) -> int:
+        """Refresh now (what the hook runs); returns how many transposes were refreshed."""
         self.last_refreshed = self.plan.refresh()
         self.calls += 1
+        return self.last_refreshed
+
+    def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.run()
 
     @property
     def active(self) -> bool:
         """True until :meth:`remove`."""
-        return self._handle is not None
+        return self._detach is not None
 
     def remove(self) -> None:
         """Unregister the hook (idempotent)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._detach is not None:
+            self._detach()
+            self._detach = None
 
     def __enter__(self) -> Fp8RefreshHandle:
         return self
@@ -462,20 +487,27 @@ class Fp8RefreshHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        return (
-            f"Fp8RefreshHandle(params={len(self.plan)}, optimizer={type(self.optimizer).__name__}, "
-            f"calls={self.calls}, active={self.active})"
-        )
+        where = "event" if self.optimizer is None else type(self.optimizer).__name__
+        return f"Fp8RefreshHandle(params={len(self.plan)}, optimizer={where}, calls={self.calls}, active={self.active})"
 
 
 def install_fp8_refresh(
-    optimizer: torch.optim.Optimizer,
+    optimizer: Union[torch.optim.Optimizer, Attach],
     params_or_module: ParamsOrModule,
     *,
-    require_stable_address: bool = True,
+    mode: Union[bool, Literal["auto"]] = True,
+    owner: str = "install_fp8_refresh",
+    require_stable_address: Optional[bool] = True,
     fused: Fused = "auto",
-) -> Fp8RefreshHandle:
+) -> Optional[Fp8RefreshHandle]:
     """Refresh the FP8 transposes of ``params_or_module`` after every ``optimizer.step()``.
+
+    The one installer of the refresh: the Lightning callbacks and strategy and the Megatron all-gather paths all
+    call it. ``optimizer`` may instead be an ``attach(refresh) -> detach`` function (:data:`Attach`) that makes
+    another framework's event (megatron-core's parameter all-gather completion) call ``refresh()``.
+
+    ``mode``: ``True`` (the default) requires FP8 parameters; ``"auto"`` installs nothing and returns ``None``
+    when ``params_or_module`` holds none; ``False`` installs nothing. ``owner`` names the caller in the error.
 
     Uses torch's public ``optimizer.register_step_post_hook``, so the refresh follows whatever
     the step wrote (put the FP8 write-back inside the optimizer's ``step``, as distributed
@@ -486,14 +518,20 @@ def install_fp8_refresh(
     (with Triton on CUDA, TE 2.x transposes are refreshed in one kernel launch).
 
     Returns:
-        A :class:`Fp8RefreshHandle`; call ``.remove()`` to uninstall.
+        A :class:`Fp8RefreshHandle`; call ``.remove()`` to uninstall. ``None``: nothing installed (``mode``).
 
     Raises:
         TypeError: ``optimizer`` has no ``register_step_post_hook`` (not a ``torch.optim.Optimizer``,
-            e.g. Megatron's ``MegatronOptimizer``): call :func:`after_param_sync` after its step instead.
-        ValueError: ``params_or_module`` holds no FP8 parameter.
+            e.g. Megatron's ``MegatronOptimizer``) and is no ``attach`` function: call :func:`after_param_sync`
+            after its step instead.
+        ValueError: ``mode=True`` and ``params_or_module`` holds no FP8 parameter; a bad ``mode``.
     """
-    if not callable(getattr(optimizer, "register_step_post_hook", None)):
+    _check_mode(mode, owner)
+    if mode is False:
+        return None
+    if not callable(getattr(optimizer, "register_step_post_hook", None)) and (
+        isinstance(optimizer, torch.optim.Optimizer) or not _is_attach(optimizer)
+    ):
         raise TypeError(
             f"{type(optimizer).__name__} is not a torch.optim.Optimizer (no register_step_post_hook), so the FP8 "
             "refresh cannot follow its step automatically. Call nemo_cudagraph_plugin.fp8.after_param_sync(model) "
@@ -501,5 +539,12 @@ def install_fp8_refresh(
         )
     plan = Fp8RefreshPlan(params_or_module, require_stable_address=require_stable_address, fused=fused)
     if len(plan) == 0:
-        raise ValueError(_no_fp8_message("install_fp8_refresh"))
+        if mode == "auto":
+            return None
+        raise ValueError(_no_fp8_message(owner))
     return Fp8RefreshHandle(optimizer, plan)
+
+
+def _is_attach(obj: Any) -> bool:
+    """A plain function or method taking the refresh (an optimizer-like object with a ``step`` is not one)."""
+    return callable(obj) and not hasattr(obj, "step") and not hasattr(obj, "param_groups")

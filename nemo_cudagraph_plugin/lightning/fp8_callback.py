@@ -79,7 +79,9 @@ class Fp8TransposeRefresh(pl.Callback):
         for opt in trainer.optimizers:
             ids = {id(p) for group in opt.param_groups for p in group["params"]}
             owned = [p for p in all_fp8 if id(p) in ids]
-            self.handles.append(install_fp8_refresh(opt, owned or all_fp8))
+            handle = install_fp8_refresh(opt, owned or all_fp8, owner=f"Fp8TransposeRefresh(mode={self.mode!r})")
+            if handle is not None:
+                self.handles.append(handle)
         if self.refresh_at_fit_start:
             refresh_fp8_transposes(all_fp8)
 

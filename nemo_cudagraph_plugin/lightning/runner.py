@@ -17,6 +17,7 @@ Python side effects of hooks inside the step run once, at capture.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,15 +28,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from ..core.adapter import Guard
 from ..core.backend import GraphBackend
 from ..core.config import CaptureConfig, CaptureStats
 from ..core.engine import CaptureEngine, GraphEntry
 from ..core.errors import CaptureError, locate_frames
 from ..core.module_state import ModuleStateWatch
-from ..core.nan_guard import NanGuard
+from ..core.nan_guard import NanGuard, NanPolicy
 from ..core.optim import OptimizerPrep, ParamGroupWatch, portable_optimizer_state
 from ..core.rng import GeneratorRegistry
-from ..hf import SDPA_GRAPH_SAFE, graph_safe_attention
+from ..hf import SDPA_GRAPH_SAFE, graph_safe_attention, restore_attention
 from . import _compat
 from .checks import Refusal, check_single_owner, device_refusal, optimizer_refusal, setup_refusal
 from .logs import StepLogs
@@ -54,6 +56,11 @@ _MAX_RAPID_MODULE_CHANGES = 2
 
 class LightningStepRunner:
     """Owns the engine, the optimizer preparation and the NaN guard for one ``fit``.
+
+    It is the engine's adapter (:class:`~nemo_cudagraph_plugin.core.adapter.StepAdapter`): the state the step
+    reads and writes, the guards run before every step, the hazard checks around each capture, and what a replay
+    must repeat on the host. Everything :meth:`bind` changes on Lightning's objects is undone by :meth:`unbind`
+    (one ``ExitStack``).
 
     Args:
         config: the options.
@@ -79,41 +86,32 @@ class LightningStepRunner:
         self.backend = backend
         self.engine: Optional[CaptureEngine] = None
         self.prep: Optional[OptimizerPrep] = None
-        self.guard: Optional[NanGuard] = None
+        #: the NaN guard and its policy (None: nan_guard=False and nothing skipped)
+        self.nan: Optional[NanPolicy] = None
         self.logs: Optional[StepLogs] = None
         self.trainer: Any = None
         self.pl_module: Any = None
         self.refused: Optional[Refusal] = None
+        self.modules: Optional[ModuleStateWatch] = None
         self._loop: Any = None
         self._orig_run: Optional[Callable] = None
-        self._undo_route: Optional[Callable[[], None]] = None
-        self._undo_divide: Optional[Callable[[], None]] = None
-        self._optimizer: Optional[torch.optim.Optimizer] = None
-        self._hooks: list[Any] = []
+        # What bind() changed on Lightning's and torch's objects, undone in reverse by unbind().
+        self._undo = contextlib.ExitStack()
+        # The engine adapter's parts (StepAdapter): verify_steps snapshots, hazard checks around each capture.
         self._mutable: list[Callable[[], list[Tensor]]] = []
+        self._contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        self._checks: list[Callable[[], None]] = []
+        self._state: Callable[[], list] = lambda: []
         self._steps = 0
         self._grads: list[tuple[Tensor, Tensor]] = []
         self._last_delta: Optional[_compat.ProgressDelta] = None
-        self._fp8_handle: Any = None
         self._ddp = False
         self._fresh = False
         self._hp_changes = 0
-        self._checked_at = 0
-        self.modules: Optional[ModuleStateWatch] = None
         self._key: Any = None
         self._rapid = 0
         self._replays_at_change = -_RAPID_REPLAYS
         self._drop_grads: list[Tensor] = []
-        # The NaN guard's gradient check of this step is left to the clipping norms (see observe_grads).
-        self._defer = False
-        self._can_defer = False
-        self._undo_clip: Optional[Callable[[], None]] = None
-        # The NaN guard watches the loss instead of reading the gradients (where nothing mixes them); whether this
-        # step was watched (its loss then went into the accumulator with the watch, and no gradient is read).
-        self._watch = False
-        self._watched = False
-        # Training batches are copied to the GPU on a stream of their own (_compat.around_batch_transfer).
-        self._undo_transfer: Optional[Callable[[], None]] = None
 
     @property
     def eager_reason(self) -> Optional[str]:
@@ -162,16 +160,18 @@ class LightningStepRunner:
             self._refuse(why)
             return
         if self.config.hf_attention == "graph_safe" and (switched := graph_safe_attention(pl_module)):
+            self._undo.callback(restore_attention, pl_module, switched)
             rank_zero_info(f"{self.owner}: Hugging Face attention {SDPA_GRAPH_SAFE!r} (SDPA without a host read of "
-                           f"the attention mask) for {', '.join(n or type(pl_module).__name__ for n in switched)}")
+                           f"the attention mask) for {', '.join(n or type(pl_module).__name__ for n in switched)}"
+                           " until the end of fit")
         optimizer = trainer.optimizers[0]
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}
         # The NaN guard may watch the loss instead of reading every gradient (core/nan_guard.py): its reads then
         # scan the parameters, which must be plain tensors (not FP8 or distributed tensor subclasses), and a bad
         # gradient must stay in its own parameter (one process: no all-reduce mixing them).
-        self._watch = (self.config.nan_mode == "full" and self.config.nan_action == "raise" and not self._ddp
-                       and all(type(p.data) is Tensor for _, p in named))
+        may_watch = (self.config.nan_mode == "full" and self.config.nan_action == "raise" and not self._ddp
+                     and all(type(p.data) is Tensor for _, p in named))
         try:
             self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_action == "skip")
             self.prep.apply()
@@ -179,43 +179,66 @@ class LightningStepRunner:
             self.prep = None
             self._refuse(Refusal("optimizer", str(exc).rstrip(".")))
             return
-        self._optimizer = optimizer
+        self._undo.callback(self.prep.restore)
         if self.config.nan_mode != "off" or self.config.nan_action == "skip":
-            self.guard = NanGuard(named, pl_module.device, "full" if self.config.nan_mode == "off" else self.config.nan_mode)
+            guard = NanGuard(named, pl_module.device, "full" if self.config.nan_mode == "off" else self.config.nan_mode)
+            self.nan = NanPolicy(guard, self.config.nan_action, self.config.nan_check_every, self.stats,
+                                 may_watch=may_watch, step=lambda: trainer.global_step,
+                                 checked_at=self.nan.checked_at if self.nan is not None else 0)
         self._loop = _compat.automatic_loop(trainer)
         self.logs = StepLogs(pl_module)
         names = {id(p): n for n, p in pl_module.named_parameters()}
-        self.engine = CaptureEngine(
-            self.config,
-            pl_module.device,
-            named,
-            state_fn=lambda: self.prep.state_tensors(names) if self.prep is not None else [],
-            generators=self.generators,
-            host_state=lambda: _compat.restorer(self._loop, pl_module),
-            stats=self.stats,
-            backend=self.backend,
-            watched_fn=lambda: _watched(pl_module),
-        )
+        self._state = lambda: self.prep.state_tensors(names) if self.prep is not None else []
         # verify_steps restores what the eager half wrote; module buffers (BatchNorm statistics) and the NaN
         # guard's accumulators (written by a Triton kernel) are listed because the dispatcher does not see them.
         self._mutable = [lambda: list(pl_module.buffers())]
         if self.guard is not None:
             self._mutable.append(self.guard.state_tensors)
-        self.engine.mutable_fn = lambda: [t for fn in self._mutable for t in fn()]
         self.modules = ModuleStateWatch(pl_module)
-        self.engine.guards.append(self._hyperparam_guard)
-        self.engine.guards.append(self._module_guard)
-        self.engine.after_replay = self._after_replay
-        self.engine.on_capture = self._on_capture
         watch = ParamGroupWatch(optimizer)
-        self.engine.capture_contexts.append(lambda: watch)
-        self.engine.post_capture_checks.append(lambda: _refuse_group_writes(watch))
+        self._contexts = [lambda: watch]
+        self._checks = [lambda: _refuse_group_writes(watch)]
+        self.engine = CaptureEngine(self.config, pl_module.device, named, self, generators=self.generators,
+                                    stats=self.stats, backend=self.backend)
         self._install(optimizer, pl_module)
 
+    # ------------------------------------------------------------------------------------------
+    # the engine's adapter (core.adapter.StepAdapter)
+    # ------------------------------------------------------------------------------------------
+    def guards(self) -> list[Guard]:
+        return [self._hyperparam_guard, self._module_guard]
+
+    def state_tensors(self) -> list:
+        return self._state()
+
+    def watched_tensors(self) -> list[tuple[str, Tensor]]:
+        return _watched(self.pl_module)
+
+    def mutable_tensors(self) -> list[Tensor]:
+        return [t for fn in self._mutable for t in fn()]
+
+    def host_state(self) -> Callable[[], None]:
+        return _compat.restorer(self._loop, self.pl_module)
+
+    def capture_contexts(self) -> list[Callable[[], contextlib.AbstractContextManager]]:
+        return self._contexts
+
+    def post_capture_checks(self) -> list[Callable[[], None]]:
+        return self._checks
+
+    @property
+    def guard(self) -> Optional[NanGuard]:
+        """The NaN guard's accumulators (``None``: no NaN guard)."""
+        return self.nan.guard if self.nan is not None else None
+
     def _install(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
-        self._orig_run, self._undo_route = _compat.route_step(self._loop, self.run)
+        undo = self._undo
+        self._orig_run, undo_route = _compat.route_step(self._loop, self.run)
+        undo.callback(undo_route)
         # Lightning divides the loss by accumulate_grad_batches also when it is 1: two kernels per step, no bit changed.
-        self._undo_divide = _compat.undivided_loss(self._loop)
+        undo_divide = _compat.undivided_loss(self._loop)
+        if undo_divide is not None:
+            undo.callback(undo_divide)
 
         # Steps that accumulate across batches (accumulate_grad_batches > 1, DDP's bucket views) need
         # gradients at fixed addresses: zero them in place. Steps that do not (fresh_grads) keep
@@ -227,18 +250,22 @@ class LightningStepRunner:
             orig_zero(set_to_none=set_to_none and self._fresh)
 
         optimizer.zero_grad = zero_grad  # this optimizer instance only
+        undo.callback(optimizer.__dict__.pop, "zero_grad", None)
         # Replacing parameters or optimizer state (load_state_dict) invalidates captured addresses.
-        self._hooks.append(optimizer.register_load_state_dict_post_hook(lambda *_: self._mark_dirty(reprep=True)))
-        self._hooks.append(pl_module.register_load_state_dict_post_hook(lambda *_: self._mark_dirty()))
+        undo.callback(optimizer.register_load_state_dict_post_hook(lambda *_: self._mark_dirty(reprep=True)).remove)
+        undo.callback(pl_module.register_load_state_dict_post_hook(lambda *_: self._mark_dirty()).remove)
         self._install_te(optimizer, pl_module)
         if self.backend is None and pl_module.device.type == "cuda":
-            self._undo_transfer = _compat.around_batch_transfer(self.trainer, torch.cuda.Stream(pl_module.device))
-        if self.guard is not None and self.guard.mode == "full" and self.config.nan_action == "raise":
+            undo_transfer = _compat.around_batch_transfer(self.trainer, torch.cuda.Stream(pl_module.device))
+            if undo_transfer is not None:
+                undo.callback(undo_transfer)
+        nan = self.nan
+        if nan is not None and nan.guard.mode == "full" and self.config.nan_action == "raise":
             # Lightning's own clipping (not a module's configure_gradient_clipping override) computes one norm per
             # gradient: the NaN guard reads those instead of reading every gradient again.
             hook = getattr(pl_module.configure_gradient_clipping, "__func__", None)
-            self._can_defer = hook is pl.LightningModule.configure_gradient_clipping
-            self._undo_clip = _compat.around_clip_by_norm(self.trainer, self._clip_by_norm)
+            nan.may_defer = hook is pl.LightningModule.configure_gradient_clipping
+            undo.callback(_compat.around_clip_by_norm(self.trainer, nan.clip_by_norm))
 
     def _install_te(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
         """TransformerEngine care: the FP8 transpose refresh for FP8 primary weights, and the graph
@@ -250,15 +277,14 @@ class LightningStepRunner:
             if self.config.fp8_refresh is True:
                 raise
             return
-        has_fp8 = any(True for _ in iter_fp8_params(pl_module))
-        if self.config.fp8_refresh is True and not has_fp8:
-            raise CaptureError(
-                f"{self.owner}(fp8_refresh=True) but the model has no TransformerEngine Float8Tensor parameters "
-                "(build it under te.quantized_model_init / te.fp8_model_init, or use fp8_refresh='auto').",
-                rule="configuration",
-            )
-        if self.config.fp8_refresh and has_fp8:
-            self._fp8_handle = install_fp8_refresh(optimizer, pl_module)
+        try:
+            handle = install_fp8_refresh(optimizer, pl_module, mode=self.config.fp8_refresh,
+                                         owner=f"{self.owner}(fp8_refresh=True)")
+        except ValueError as exc:  # fp8_refresh=True on a model without FP8 parameters
+            raise CaptureError(str(exc), rule="configuration") from exc
+        if handle is not None:
+            self._undo.callback(handle.remove)
+        has_fp8 = handle is not None or any(True for _ in iter_fp8_params(pl_module))
         if not (has_fp8 or te.has_te_modules(pl_module)):
             return
         from ..fp8.hazards import (
@@ -268,36 +294,14 @@ class LightningStepRunner:
         )
 
         register_rng_generators(self.generators)
-        engine = self.engine
-        engine.capture_contexts.append(lambda: FirstMicrobatchCheck(pl_module))
-        engine.post_capture_checks.append(lambda: check_delayed_scaling_registered(pl_module))
+        self._contexts.append(lambda: FirstMicrobatchCheck(pl_module))
+        self._checks.append(lambda: check_delayed_scaling_registered(pl_module))
         # TE updates its FP8 scaling state in its own kernels: verify_steps must snapshot it explicitly.
         self._mutable.append(lambda: te.fp8_scaling_state(pl_module))
 
     def unbind(self) -> None:
-        """Undo everything :meth:`bind` changed (also after an exception)."""
-        if self._undo_route is not None:
-            self._undo_route()
-            self._undo_route = None
-        if self._undo_divide is not None:
-            self._undo_divide()
-            self._undo_divide = None
-        if self._optimizer is not None:
-            self._optimizer.__dict__.pop("zero_grad", None)
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        if self._fp8_handle is not None:
-            self._fp8_handle.remove()
-            self._fp8_handle = None
-        if self._undo_clip is not None:
-            self._undo_clip()
-            self._undo_clip = None
-        if self._undo_transfer is not None:
-            self._undo_transfer()
-            self._undo_transfer = None
-        if self.prep is not None:
-            self.prep.restore()
+        """Undo everything :meth:`bind` changed, latest first (also after an exception; idempotent)."""
+        self._undo.close()
         if self.engine is not None:
             self.engine.note_peak_memory()
             self.engine.cache.clear()  # frees the graphs; stats.graphs keeps the count at the end of fit
@@ -337,32 +341,26 @@ class LightningStepRunner:
         )
         logs.emit(token, values)
         self._steps += 1
-        guard = self.guard
-        if guard is not None:
-            if guard.read_pending:
-                self._nan_report(guard.poll(raise_on_bad=self._raise_on_nan))
-            if self._steps % self.config.nan_check_every == 0:
-                self.snapshot_nan()
+        if self.nan is not None:
+            self.nan.after_run(self._steps)
         return out
 
     def _recorded(self, call: Callable[[], Any], quiet: bool) -> Any:
         """Run ``call`` (an eager step or a capture) with logs recorded and counter increments measured."""
         before = _compat.progress_snapshot(self._loop)
-        self._watched = False
+        nan = self.nan
+        if nan is not None:
+            nan.begin_step()
         out, values, token = self.logs.run(call, quiet)
-        if self._defer:  # the step clipped nothing after all: check its (unchanged) gradients now
-            self._defer = False
-            self.guard.observe_grads()
         # What the step's own Python set is the state a capture of it bakes in; changes after this are the user's.
         self.modules.rebase()
         self._last_delta = _compat.ProgressDelta(before, _compat.progress_snapshot(self._loop))
-        if self._watched:
-            self._watched = False  # its loss went into the accumulator with the watch
-        elif self.guard is not None and isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
-            self.guard.observe_loss(out["loss"])
+        if nan is not None:
+            nan.end_step(out)
         return out, values, token
 
-    def _on_capture(self, entry: GraphEntry) -> None:
+    def on_capture(self, entry: GraphEntry) -> None:
+        """Right after a capture (the engine's adapter)."""
         if self.guard is not None:
             self.guard.after_capture()  # before the first replay
         entry.meta["progress"] = self._last_delta
@@ -376,7 +374,8 @@ class LightningStepRunner:
             # (on_validation_model_zero_grad sets them to None).
             self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
 
-    def _after_replay(self, entry: GraphEntry) -> None:
+    def after_replay(self, entry: GraphEntry) -> None:
+        """After every replay (the engine's adapter; bound once by the engine)."""
         delta = entry.meta.get("progress")
         if delta is not None:
             delta.apply()
@@ -442,9 +441,9 @@ class LightningStepRunner:
         if self._drop_grads and self._key is not None and self._key.zero_grad:
             self._drop_frozen_grads()
         self.engine.set_params(trainable)
-        if self.guard is not None:
+        if self.nan is not None:
             self.check_nan()  # its slots are the old parameters'
-            self.guard.set_params(trainable)
+            self.nan.guard.set_params(trainable)
 
     def _drop_frozen_grads(self) -> None:
         for p in self._drop_grads:
@@ -461,45 +460,17 @@ class LightningStepRunner:
             self.engine.dirty = True
 
     def note_loss(self, loss: Tensor) -> None:
-        """The loss about to be back-propagated (``on_before_backward``, every micro-batch).
-
-        Where nothing mixes the gradients (no clipping; see ``bind``), the NaN guard watches this loss instead of
-        reading the gradients: one kernel that reads the parameters only at the first non-finite loss.
-        """
-        guard = self.guard
-        if (self._watch and guard is not None and self.active and self._can_defer and self._key is not None
-                and not self._key.gradient_clip[0] and isinstance(loss, Tensor)):
-            guard.watch_loss(loss)
-            self._watched = True
+        """The loss about to be back-propagated (``on_before_backward``, every micro-batch): what the NaN guard
+        watches where nothing mixes the gradients (:class:`~nemo_cudagraph_plugin.core.nan_guard.NanPolicy`)."""
+        if self.nan is not None and self.active and self._key is not None:
+            self.nan.note_loss(loss, clips=bool(self._key.gradient_clip[0]))
 
     def observe_grads(self) -> None:
-        """Called right before clipping and the optimizer step (inside the captured region).
-
-        A step whose loss was watched (:meth:`note_loss`) reads no gradient. When this step clips by norm with
-        Lightning's own clipping and the gradients share one dtype, the check is deferred to :meth:`_clip_by_norm`,
-        which reads the per-parameter norms clipping computes anyway.
-        """
-        guard = self.guard
-        if guard is None or not self.active:
+        """Called right before clipping and the optimizer step (inside the captured region): the NaN guard's check
+        of this step (:meth:`NanPolicy.before_clip <nemo_cudagraph_plugin.core.nan_guard.NanPolicy.before_clip>`)."""
+        if self.nan is None or not self.active:
             return
-        if self._watched:
-            guard.scan_params = True  # a bad gradient stays in its own parameter: the reads scan them
-            return
-        if self._can_defer and _clips_by_norm(self._key) and len({p.grad.dtype for p in guard.params if p.grad is not None}) == 1:
-            self._defer = True
-            return
-        guard.observe_grads(self.prep.found_inf if self.prep is not None else None)
-
-    def _clip_by_norm(self, clip: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Around Lightning's ``clip_grad_by_norm``: the NaN guard's check of a deferred step."""
-        if not self._defer:
-            return clip(*args, **kwargs)
-        self._defer = False
-        with self.guard.norm_tap() as tap:
-            out = clip(*args, **kwargs)
-        if not tap.covered:  # not every gradient got a norm: read them (after the clip factor, still non-finite)
-            self.guard.observe_grads()
-        return out
+        self.nan.before_clip(_clips_by_norm(self._key), self.prep.found_inf if self.prep is not None else None)
 
     def reattach_grads(self) -> None:
         """Lightning frees gradients before validation; give the graphs' gradient buffers back."""
@@ -510,33 +481,10 @@ class LightningStepRunner:
                 p.grad = g
         self.engine.dirty = True
 
-    @property
-    def _raise_on_nan(self) -> bool:
-        return self.config.nan_action == "raise"
-
-    def _window(self) -> str:
-        gs = self.trainer.global_step if self.trainer is not None else self._steps
-        window = f"in the optimizer steps after global step {self._checked_at} up to {gs}"
-        self._checked_at = gs
-        return window
-
-    def snapshot_nan(self) -> None:
-        """Queue a read of the NaN guard (no host sync); a later step's :meth:`run` reports it once written."""
-        guard = self.guard
-        guard.snapshot(self._window())
-        self._nan_report(guard.poll(raise_on_bad=self._raise_on_nan))  # a CPU device: ready now
-
     def check_nan(self) -> None:
         """Read the NaN guard now (one host sync; epoch and fit end); raise or report."""
-        if self.guard is None:
-            return
-        self._nan_report(self.guard.check(raise_on_bad=self._raise_on_nan, window=self._window()))
-
-    def _nan_report(self, report: Optional[str]) -> None:
-        # Skip mode: the guard's reads carry the count of skipped updates (no extra sync for it).
-        self.stats.skipped_steps = self.guard.skipped_read if self.config.nan_action == "skip" else 0
-        if report is not None:
-            warnings.warn(f"{report} The optimizer update of those steps was skipped.", stacklevel=3)
+        if self.nan is not None:
+            self.nan.check()
 
     def portable_checkpoint(self, checkpoint: dict) -> None:
         """Write floats (not device tensors) for lr/betas into a checkpoint being saved."""

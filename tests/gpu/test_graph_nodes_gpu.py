@@ -202,3 +202,78 @@ def test_graph_io_a_queued_replay_keeps_the_addresses_it_was_launched_with():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(da, a + 1) and torch.equal(db, b + 1)
+
+
+# ------------------------------------------------------------------------------------------------ failure
+
+
+class _FailingAt:
+    """Makes the real driver layer's ``what`` raise at its ``n``-th call (the calls before it really happen)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, what: str, n: int) -> None:
+        drv = _cuda_nodes._get()
+        real = getattr(drv, what)
+        self.calls = 0
+
+        def failing(*args, **kwargs):
+            self.calls += 1
+            if self.calls == n:
+                raise RuntimeError(f"{what} failed: injected")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(drv, what, failing)
+
+
+@pytest.mark.parametrize("what, n", [("add_kernel", 3), ("add_edges", 2), ("destroy", 2)])
+def test_a_memset_rewrite_that_fails_midway_leaves_the_captured_graph_on_the_real_driver(monkeypatch, what, n):
+    """A failure after some fill kernels were added (or memsets removed) is undone: the graph has the nodes and
+    edges it was captured with and replays bitwise as the graph never rewritten."""
+    ref = _capture(rewrite=False)
+    buf_len = ref[1].numel()
+    g, buf, x, total = ref[:4]
+    # a second capture, rewritten with a failure injected
+    _FailingAt(monkeypatch, what, n)
+    buf2 = torch.full((buf_len,), 0x11, dtype=torch.uint8, device=DEV)
+    lib = _driver_memsets()
+    g2 = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g2):
+        stream = torch.cuda.current_stream().cuda_stream
+        for fn, off, value, cnt in CASES:
+            assert getattr(lib, fn)(buf2.data_ptr() + off, value, cnt, stream) == 0
+        total2 = x.sum(0)
+    raw = g2.raw_cuda_graph()
+    shape = _cuda_nodes.graph_shape(raw)
+    with pytest.raises(_cuda_nodes.RewriteError, match="injected"):
+        _cuda_nodes.rewrite_memsets(raw, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    assert _cuda_nodes.graph_shape(raw) == shape
+    g2.instantiate()
+    for _ in range(2):
+        for bb in (buf, buf2):
+            bb.fill_(0x11)
+        x.normal_()
+        g.replay()
+        g2.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buf, buf2) and torch.equal(buf2.cpu(), _expected(buf_len))
+        assert torch.equal(total, total2)
+
+
+@pytest.mark.parametrize("what, n", [("add_kernel", 2), ("add_edges", 2)])
+def test_graph_io_that_fails_midway_leaves_the_captured_graph_on_the_real_driver(monkeypatch, what, n):
+    inp = torch.zeros(4096, dtype=torch.uint8, device=DEV)
+    inp + 1
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        out = inp + 1
+    raw = g.raw_cuda_graph()
+    shape = _cuda_nodes.graph_shape(raw)
+    _FailingAt(monkeypatch, what, n)
+    with pytest.raises(_cuda_nodes.RewriteError, match="injected"):
+        _cuda_nodes.GraphIO(raw, [(inp.data_ptr(), 4096)], [(out.data_ptr(), 4096)], 132)
+    assert _cuda_nodes.graph_shape(raw) == shape
+    g.instantiate()
+    inp.fill_(41)
+    g.replay()
+    torch.cuda.synchronize()
+    assert (out == 42).all()
