@@ -12,7 +12,7 @@ and each program's tensor), built on the host once per set. A :class:`FiniteChec
 that launched it (the graph reads its table). A check built during a capture (gradients the graph allocates
 itself) needs its table in memory that no node of the graph writes. Memory handed out *during* a capture may have
 belonged to a tensor freed earlier in the same capture, whose kernels the graph replays: a table allocated there
-and filled once afterwards is overwritten on every replay (it faulted: docs/gpu-evidence/2026-12-03-nan-guard.md).
+and filled once afterwards is overwritten on every replay (it faulted; docs/design.md, the hazard of metadata allocated during a capture).
 So such a check takes a ``table`` allocated before the capture and :meth:`FiniteCheck.fill` writes it after the
 capture; without one, the table is copied in by the graph (a host-to-device node on every replay).
 

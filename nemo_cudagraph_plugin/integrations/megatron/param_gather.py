@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from ...fp8 import Fp8RefreshPlan
+from ...fp8 import install_fp8_refresh
 from ...fp8.pipeline import ModelChunks
 from . import capabilities as _capabilities
 from .capabilities import MegatronCapabilities
@@ -103,76 +103,88 @@ class ParamGatherRefresh:
         self.refreshed: Counter = Counter()
         self.calls: Counter = Counter()
         self.plans = 0
-        self._undo: list[tuple[Any, str]] = []
+        self._handles: list[Any] = []  # Fp8RefreshHandle per hooked path, from the one installer
         for ddp in ddps:
-            self._install(ddp, Fp8RefreshPlan, fused)
+            self._install(ddp, fused)
 
-    def _install(self, ddp: Any, plan_cls: Any, fused: Any) -> None:
+    def _install(self, ddp: Any, fused: Any) -> None:
+        def install(attach: Callable[..., Any], params: list) -> Any:
+            # mode="auto": no FP8 parameter here, nothing can go stale, nothing is wrapped
+            handle = install_fp8_refresh(attach, params, mode="auto", require_stable_address=None, fused=fused)
+            if handle is not None:
+                self._handles.append(handle)
+            return handle
+
         groups = list(getattr(ddp, "bucket_groups", ())) + list(getattr(ddp, "expert_parallel_bucket_groups", ()))
-        chunk_plan = plan_cls([p for g in groups for p in _bucket_params(g)], fused=fused)
-        if len(chunk_plan) == 0:
-            return  # no FP8 parameter in this chunk: nothing can go stale
         cfg = ddp.ddp_config
         overlap = bool(getattr(cfg, "overlap_param_gather", False))
         if overlap and "overlapped" in self.paths:
             for group in groups:
-                plan = plan_cls(_bucket_params(group), fused=fused)
-                if len(plan):
+                if install(self._on_finish(group), _bucket_params(group)) is not None:
                     self.plans += 1
-                    self._wrap(group, "finish_param_sync", self._finish_wrapper(group, plan))
         if (overlap and "forced" in self.paths) or (not overlap and "sync" in self.paths):
-            self._wrap(ddp, "start_param_sync", self._start_wrapper(ddp, chunk_plan, overlap))
+            install(self._on_start(ddp, overlap), [p for g in groups for p in _bucket_params(g)])
 
-    def _wrap(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    @staticmethod
+    def _wrap(obj: Any, name: str, wrapper: Callable[..., Any]) -> Callable[[], None]:
         wrapper.__nemo_cudagraph_wrapped__ = getattr(obj, name)  # type: ignore[attr-defined]
         setattr(obj, name, wrapper)
-        self._undo.append((obj, name))
 
-    def _refresh(self, plan: Any, path: str) -> int:
-        n = plan.refresh()
+        def undo() -> None:
+            if obj.__dict__.get(name) is wrapper:
+                delattr(obj, name)
+
+        return undo
+
+    def _count(self, n: int, path: str) -> int:
         if n:
             self.refreshed[path] += n
             self.calls[path] += 1
         return n
 
-    def _finish_wrapper(self, group: Any, plan: Any) -> Callable[..., Any]:
-        original = group.finish_param_sync
+    def _on_finish(self, group: Any) -> Callable[[Callable[[], int]], Callable[[], None]]:
+        def attach(refresh: Callable[[], int]) -> Callable[[], None]:
+            original = group.finish_param_sync
 
-        def finish_param_sync(*args: Any, **kwargs: Any) -> Any:
-            # Completes an all-gather if one is in flight, or dispatches-and-waits if none was dispatched yet.
-            completing = getattr(group, "param_gather_handle", None) is not None or not getattr(
-                group, "param_gather_dispatched", True
-            )
-            out = original(*args, **kwargs)
-            if completing:
-                self._refresh(plan, "overlapped")
-            return out
+            def finish_param_sync(*args: Any, **kwargs: Any) -> Any:
+                # Completes an all-gather if one is in flight, or dispatches-and-waits if none was dispatched yet.
+                completing = getattr(group, "param_gather_handle", None) is not None or not getattr(
+                    group, "param_gather_dispatched", True
+                )
+                out = original(*args, **kwargs)
+                if completing:
+                    self._count(refresh(), "overlapped")
+                return out
 
-        return finish_param_sync
+            return self._wrap(group, "finish_param_sync", finish_param_sync)
 
-    def _start_wrapper(self, ddp: Any, plan: Any, overlap: bool) -> Callable[..., Any]:
-        original = ddp.start_param_sync
+        return attach
 
-        def start_param_sync(*args: Any, force_sync: bool = False, **kwargs: Any) -> Any:
-            out = original(*args, force_sync=force_sync, **kwargs)
-            if overlap and force_sync:
-                self._refresh(plan, "forced")  # megatron-core waited or gathered, and rebuilt nothing
-            elif not overlap and not getattr(ddp, "overlap_param_gather_with_optimizer_step", False):
-                self._refresh(plan, "sync")
-            return out
+    def _on_start(self, ddp: Any, overlap: bool) -> Callable[[Callable[[], int]], Callable[[], None]]:
+        def attach(refresh: Callable[[], int]) -> Callable[[], None]:
+            original = ddp.start_param_sync
 
-        return start_param_sync
+            def start_param_sync(*args: Any, force_sync: bool = False, **kwargs: Any) -> Any:
+                out = original(*args, force_sync=force_sync, **kwargs)
+                if overlap and force_sync:
+                    self._count(refresh(), "forced")  # megatron-core waited or gathered, and rebuilt nothing
+                elif not overlap and not getattr(ddp, "overlap_param_gather_with_optimizer_step", False):
+                    self._count(refresh(), "sync")
+                return out
+
+            return self._wrap(ddp, "start_param_sync", start_param_sync)
+
+        return attach
 
     def remove(self) -> None:
         """Undo every wrapper (idempotent)."""
-        for obj, name in reversed(self._undo):
-            if name in obj.__dict__:
-                delattr(obj, name)
-        self._undo = []
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles = []
 
     @property
     def active(self) -> bool:
-        return bool(self._undo)
+        return bool(self._handles)
 
     def summary(self) -> str:
         if self.capabilities is None:
