@@ -1,5 +1,8 @@
 """What the memset nodes of a captured training step cost, and what rewriting them as kernels gains.
 
+What it measures that the harness cannot: the same hand-written whole-step graph with its memset nodes kept and
+rewritten as fill kernels, side by side in one process (the harness only runs the plugin's choice).
+
 One process, one preset at a time: two copies of the benchmark GPT (same seed, same batches), each with
 its whole step (forward, backward, fused AdamW) captured as a raw ``torch.cuda.CUDAGraph`` — one kept as
 captured, one with its memset nodes rewritten as fill kernels (``core._cuda_nodes``). Both replay the same

@@ -1,5 +1,8 @@
 """What the device spends at the boundary of a replayed step: the launches around the graph.
 
+What it measures that the harness cannot: the device cost of each launch around a replayed graph (input copies,
+output copies, stream waits, copy nodes inside the graph), one by one.
+
 A replayed step is more than ``graph.replay()``: the batch is copied into the graph's input buffers before it, the
 outputs into fresh memory after it, and the training stream waits for the batch's copy on the transfer stream. Each
 is a launch of its own on the training stream, outside the graph. This measures what each costs the *device*, with

@@ -170,7 +170,7 @@ def run_variant(job: dict) -> dict:
     if v.ours:
         from nemo_cudagraph_plugin import CudaGraphCallback
 
-        callbacks.append(CudaGraphCallback())
+        callbacks.append(CudaGraphCallback(nan_guard=v.name != "ours_noguard"))
         if not cuda:
             out["notes"].append("CPU: the callback trains eagerly (no CUDA)")
     if v.nemo:
