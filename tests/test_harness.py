@@ -100,7 +100,8 @@ def test_page_and_readme_show_skipped_and_failed_runs_and_the_markers_are_replac
     page = report.page_block(data, "python -m benchmarks.harness --rounds 1")
     assert "| compile | skipped (budget) |" in page
     assert "| compile + ours | failed: CaptureError: model.py:3: host-sync |" in page
-    assert "measured bf16 matmul ceiling on this GPU: 731 TFLOP/s" in page
+    assert "measured bf16 matmul ceiling on this GPU: 731 TFLOP/s" in " ".join(page.split())
+    assert max(len(line) for line in page.splitlines() if not line.startswith("|")) <= 120
     assert "python -m benchmarks.harness --rounds 1" in page
     readme = report.readme_block(data)
     assert "| HF Llama 156 M, batch 2 × 512 | 40.00 | 12.00 | skipped | failed |" in readme

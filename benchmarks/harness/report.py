@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -199,6 +200,12 @@ def _state(row: dict) -> Optional[str]:
     return "failed: " + "; ".join(row["errors"])[:240]
 
 
+def wrap(text: str, bullet: bool = False) -> str:
+    """``text`` wrapped at 118 characters (a bullet's continuation lines indented by two)."""
+    return textwrap.fill(text, width=118, subsequent_indent="  " if bullet else "", break_on_hyphens=False,
+                         break_long_words=False)
+
+
 def setup_lines(data: dict) -> list[str]:
     """The page's date, versions and setup bullets."""
     s, env, ceiling = data["settings"], data.get("env") or {}, data.get("ceiling") or {}
@@ -235,7 +242,7 @@ def _lanes(s: dict) -> str:
 def workload_table(res: dict) -> list[str]:
     """One workload's table and the notes under it."""
     base_label = VARIANTS[res["baseline"]].label
-    head = (f"### {res['title']}", "",
+    head = (f"## {res['title']}", "",
             f"{_f(res['n_params'] and res['n_params'] / 1e6, '.1f')} M parameters "
             f"({_f(res['n_matmul_params'] and res['n_matmul_params'] / 1e6, '.1f')} M in matmuls), "
             f"{res['tokens']:,} tokens per step, {_f(res['flops_per_step'] and res['flops_per_step'] / 1e12, '.3f')} "
@@ -281,9 +288,7 @@ def page_block(data: dict, command: str) -> str:
     results = aggregate(data["runs"], data["settings"].get("baseline", "compile_ro"))
     lines = setup_lines(data)
     lines += [f"- **Raw data:** `{data['settings'].get('raw_name', 'step-time.json')}` (every run's record, per-step "
-              "losses included).", "", "Regenerate (GPU host; `--plan` prints the runs and their estimated time, "
-              "`--budget-s` skips what does not fit, `--resume` continues a partial run):", "", "```bash",
-              command, "```", ""]
+              "losses included).", f"- **Command:** `{command}`", ""]
     if data["settings"].get("dry_run"):
         lines += ["**DRY RUN on CPU**: every variant trained eagerly for three steps; no figure here is a measurement.",
                   ""]
@@ -291,8 +296,9 @@ def page_block(data: dict, command: str) -> str:
         lines += ["**INCOMPLETE**: written while the run was going, or it was stopped.", ""]
     for res in results:
         lines += workload_table(res)
-    lines += ["### Goals (measured, not asserted)", "", *goal_lines(goals(results)), ""]
-    return "\n".join(lines)
+    lines += ["## Goals (measured, not asserted)", "", *goal_lines(goals(results)), ""]
+    return "\n".join(x if x.startswith(("|", "#")) or "\n" in x else wrap(x, bullet=x.startswith("- "))
+                     for x in lines)
 
 
 def readme_block(data: dict) -> str:
@@ -301,10 +307,10 @@ def readme_block(data: dict) -> str:
     env, s = data.get("env") or {}, data["settings"]
     cols = ["eager", "ours", "compile", "compile_ro", "compile_ours", "nemo"]
     cols = [c for c in cols if any(c in r["variants"] for r in results)]
-    lines = [f"ms/step on one {env.get('gpu') or 'CPU'} ({env.get('date', '–')}; torch {env.get('torch', '–')}, "
-             f"{s['precision']}, AdamW, warm-up + cosine, clip {s['clip'] or 'off'}; median over rounds: {s['rounds']}, "
-             f"one process per variant and round). MFU: model FLOPs over the dense bf16 peak ({PEAK_BF16_TFLOPS} "
-             "TFLOP/s). Peak memory: ours over eager, compile + ours over compile.", "",
+    lines = [wrap(f"ms/step on one {env.get('gpu') or 'CPU'} ({env.get('date', '–')}; torch {env.get('torch', '–')}, "
+                  f"{s['precision']}, AdamW, warm-up + cosine, clip {s['clip'] or 'off'}; median over rounds: "
+                  f"{s['rounds']}, one process per variant and round). MFU: model FLOPs over the dense bf16 peak "
+                  f"({PEAK_BF16_TFLOPS} TFLOP/s). Peak memory: ours over eager, compile + ours over compile."), "",
              "| workload | " + " | ".join(VARIANTS[c].label for c in cols)
              + " | compile + ours / reduce-overhead | best MFU | peak memory, graphed / without |",
              "|---|" + "---|" * (len(cols) + 3)]
@@ -321,12 +327,12 @@ def readme_block(data: dict) -> str:
         best = max((r["mfu"] for r in res["variants"].values() if r["mfu"]), default=None)
         peaks = [res["variants"][v]["peak_over_reference"] for v in ("ours", "compile_ours")
                  if v in res["variants"] and res["variants"][v]["peak_over_reference"]]
-        lines.append(f"| {res['title']} | " + " | ".join(cells) + f" | {_f(_vs_ro(res, 'compile_ours'), '.3f')} | "
+        lines.append(f"| {res['title'].split(' (')[0]} | " + " | ".join(cells) + f" | {_f(_vs_ro(res, 'compile_ours'), '.3f')} | "
                      f"{_f(best and 100 * best, '.1f')} % | {' / '.join(f'{p:.2f}' for p in peaks) or '–'} |")
     if s.get("dry_run"):
         lines.insert(0, "**DRY RUN on CPU**: tiny shapes, three eager steps; no figure here is a measurement.\n")
-    lines += ["", "Losses against eager, kernel floors, per-round figures and the command that regenerates this: "
-              "[docs/results/step-time.md](docs/results/step-time.md)."]
+    lines += ["", wrap("Losses against eager, kernel floors, per-round figures and the command that regenerates "
+                       "this: [docs/results/step-time.md](docs/results/step-time.md).")]
     return "\n".join(lines)
 
 
