@@ -83,7 +83,7 @@ def test_peak_memory_is_compared_with_the_same_run_without_our_graphs_and_the_fl
     assert v["ours"]["peak_over_reference"] == pytest.approx(1.05)
     assert v["compile_ours"]["peak_over_reference"] == pytest.approx(1.2)
     assert v["compile_ro"]["peak_over_reference"] == pytest.approx(1.1)
-    assert v["eager"]["peak_over_reference"] is None
+    assert v["eager"]["peak_over_reference"] is None and v["compile"]["peak_over_reference"] is None
     assert v["ours"]["peak_over_eager"] == 1.04 and v["ours"]["replays"] == 95
     assert v["compile_ours"]["over_floor"] == pytest.approx(1.1)
     missed = {(g["goal"], g["met"]) for g in report.goals([_one(runs)]) if g["value"] is not None}
@@ -171,3 +171,14 @@ def test_dry_run_trains_every_variant_through_the_parent_and_child_processes(tmp
         assert r["n_matmul_params"] < r["n_params"] and r["ms_per_step"] > 0
     assert data["runs"][1]["stats"]["replays"] == 0  # on a CPU the callback trains eagerly
     assert "DRY RUN on CPU" in (out / "step-time.page.md").read_text()
+
+
+def test_plan_prints_the_runs_and_runs_nothing_and_docs_are_never_written_from_a_dry_run(capsys):
+    from benchmarks.harness.cli import main
+
+    assert main(["--plan", "--gpus", "4", "--budget-s", "100", "--workloads", "llama1b-4x2048", "gpt-tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "(matmul ceiling)" in out and "llama1b-4x2048" in out and "skipped: does not fit --budget-s" in out
+    assert out.splitlines()[-1].startswith("23 jobs, 0 done; estimated ")
+    with pytest.raises(SystemExit, match="smoke run"):
+        main(["--dry-run", "--write-docs"])

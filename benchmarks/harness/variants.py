@@ -17,8 +17,13 @@ class Variant:
     compile: Optional[str] = None
     ours: bool = False
     nemo: bool = False
-    #: the variant whose losses and memory are this one's "without our graphs" reference
+    #: the same run without CUDA graphs: the reference of this variant's peak memory
     reference: str = "eager"
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the step runs as CUDA graph replays (ours, NeMo's, or torch.compile's own)."""
+        return self.ours or self.nemo or self.compile == "reduce-overhead"
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
