@@ -133,7 +133,8 @@ def test_plan_keeps_a_workloads_round_on_one_lane_runs_nemo_on_gpt_only_and_skip
 
 def test_resume_keeps_the_runs_done_and_refuses_other_settings(tmp_path):
     path = tmp_path / "step-time.json"
-    runs = [_run("eager", 0, 40.0), {**_run("ours", 0, None, ok=False), "skipped": True}]
+    runs = [_run("eager", 0, 40.0), {**_run("ours", 0, None, ok=False), "skipped": True},
+            _run("compile", 0, None, ok=False, rc=124, error="child exited 124 without a record")]
     path.write_text(json.dumps({"settings": SETTINGS, "runs": runs, "ceiling": None}))
     records, done = runner.load_resume(path, SETTINGS)
     assert done == {"0/llama156m-2x512/eager"} and len(records) == 1

@@ -189,8 +189,8 @@ def run_variant(job: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     pl.seed_everything(job["seed"], verbose=False)
     t = time.perf_counter()
-    module = BenchLM(w, compile_mode=v.compile, compile_backend=job.get("compile_backend"), optim=job["optim"], capturable=v.nemo and cuda,
-                     max_steps=w.steps, device="cuda" if cuda else "cpu")
+    module = BenchLM(w, compile_mode=v.compile, compile_backend=job.get("compile_backend"), optim=job["optim"],
+                     capturable=v.nemo and cuda, max_steps=w.steps, device="cuda" if cuda else "cpu")
     out.update(build_s=time.perf_counter() - t, n_params=module.n_params, n_matmul_params=module.n_matmul_params)
     probe = make_probe(job)
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=job["precision"],

@@ -180,7 +180,8 @@ def execute(plan: list[dict], done: set[str], budget_s: float, child_timeout_s: 
 
 
 def load_resume(path: Optional[Path], settings: dict) -> tuple[list[dict], set[str]]:
-    """The records of an earlier run with the same settings (skipped ones are run again) and their keys."""
+    """The records of an earlier run with the same settings and their keys; runs skipped for the budget or killed at
+    the child timeout (exit 124) are run again."""
     if path is None or not path.exists():
         return [], set()
     data = json.loads(path.read_text())
@@ -189,7 +190,7 @@ def load_resume(path: Optional[Path], settings: dict) -> tuple[list[dict], set[s
             if old.get(k) != settings.get(k)]
     if diff:
         raise SystemExit(f"--resume {path}: its runs used other settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)})")
-    keep = [r for r in data.get("runs", []) if not r.get("skipped")]
+    keep = [r for r in data.get("runs", []) if not r.get("skipped") and r.get("rc") != 124]
     if data.get("ceiling"):
         keep.append(data["ceiling"])
     return keep, {r["key"] for r in keep if r.get("key")}
