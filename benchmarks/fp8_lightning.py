@@ -1,9 +1,12 @@
 """FP8 primary weights under the Lightning engine: does the transpose refresh matter, and what does it cost?
 
+What it measures that the harness cannot: FP8 primary weights under Lightning, graphed with and without the
+transpose refresh (200-step parity arms), and the refresh's share of the step.
+
 docs/results/fp8.md, results 2 and 3 (GPU + TransformerEngine 2.x)::
 
-    python3 benchmarks/fp8_lightning.py --out fp8_lightning.json                  # both parts
-    python3 benchmarks/fp8_lightning.py --parts overhead --presets small medium   # result 3 only
+    python -m benchmarks.fp8_lightning --out fp8_lightning.json                  # both parts
+    python -m benchmarks.fp8_lightning --parts overhead --presets small medium   # result 3 only
 
 Model: the recipe GPT (:mod:`recipes.gpt`, ``fp8=True``): ``te.TransformerLayer`` blocks whose weights are
 FP8 ``Float8Tensor`` parameters, bf16-mixed, TE's default recipe (``--recipe current`` for current scaling).
@@ -65,13 +68,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8_refresh as b  # noqa: E402
-from fp8_multi_transpose import graph_of, time_replays  # noqa: E402
-
 import nemo_cudagraph_plugin.fp8.refresh as refresh_mod  # noqa: E402
+from benchmarks import fp8_refresh as b  # noqa: E402
+from benchmarks.fp8_multi_transpose import graph_of, time_replays  # noqa: E402
 from nemo_cudagraph_plugin import CudaGraphCallback  # noqa: E402
 from nemo_cudagraph_plugin.fp8 import Fp8RefreshPlan, iter_fp8_params, verify_fp8_transposes  # noqa: E402
 from nemo_cudagraph_plugin.lightning.fp8_callback import Fp8TransposeRefresh  # noqa: E402

@@ -1,6 +1,9 @@
 """One-launch FP8 transpose refresh vs one kernel per weight, on the weight shapes of the recipe GPT presets.
 
-    python3 benchmarks/fp8_multi_transpose.py --out multi_transpose.json      (GPU; no TransformerEngine needed)
+What it measures that the harness cannot: the FP8 transpose refresh's kernels alone, one launch against one per
+weight, replayed in a graph on the presets' weight shapes.
+
+    python -m benchmarks.fp8_multi_transpose --out multi_transpose.json      (GPU; no TransformerEngine needed)
 
 For each preset, the FP8 weights of its ``te.TransformerLayer`` blocks (per layer: QKV ``[3d, d]``,
 projection ``[d, d]``, FC1 ``[4d, d]``, FC2 ``[d, 4d]``) as uint8 buffers; every method runs inside a CUDA
@@ -24,10 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nemo_cudagraph_plugin.fp8._multi_transpose import MultiTranspose, triton_available  # noqa: E402
-from recipes.gpt import get_config  # noqa: E402
+from nemo_cudagraph_plugin.fp8._multi_transpose import MultiTranspose, triton_available
+from recipes.gpt import get_config
 
 PRESETS = ("tiny", "small", "medium")
 TILES = ((32, 64, 1), (64, 64, 4), (16, 256, 4))  # (block_m, block_k, num_warps); the first is the default

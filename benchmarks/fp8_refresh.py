@@ -1,8 +1,11 @@
 """FP8 transpose refresh with real TransformerEngine on one GPU: the stale-transpose reproduction.
 
+What it measures that the harness cannot: TransformerEngine's FP8 weights read through a stale transpose inside a
+graph, against eager and BF16 references (the harness trains no FP8 model).
+
 The stale-transpose reproduction, docs/results/fp8.md result 1 (run on a Hopper GPU with TE >= 2.x installed)::
 
-    python3 benchmarks/fp8_refresh.py --out fp8_refresh.json
+    python -m benchmarks.fp8_refresh --out fp8_refresh.json
 
 * ``repro``: a ``te.Linear`` with FP8 primary weights, forward+backward captured in a
   ``torch.cuda.graph`` while the transpose cache is valid. New FP8 bytes are then written into the
@@ -12,7 +15,7 @@ The stale-transpose reproduction, docs/results/fp8.md result 1 (run on a Hopper 
 * ``te_fused_adam`` (information): whether TE's own ``FusedAdam(master_weights=True)`` leaves
   stale transposes after a step on delayed-scaling FP8 parameters, and whether the refresh fixes them.
 
-Also home of :class:`MasterWeightAdamW`, the FP8-writing optimizer that ``benchmarks/fp8_lightning.py``
+Also home of :class:`MasterWeightAdamW`, the FP8-writing optimizer that ``python -m benchmarks.fp8_lightning``
 (training parity and refresh overhead under the Lightning engine: results 2 and 3) trains with.
 """
 
@@ -32,8 +35,6 @@ os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nemo_cudagraph_plugin.fp8 import _te_compat as te_compat  # noqa: E402
 from nemo_cudagraph_plugin.fp8 import (  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The TransformerEngine measurements and tests on a GPU host (TE installed by .te/final/install_on_host.sh when it
-# does not import).
+# does not import). What it runs that the harness cannot: TransformerEngine FP8 models and pipeline stages.
 #   bash benchmarks/gpu_te_session.sh [PART ...]     (default: all parts, in this order)
 # Parts: te_install multi_transpose fp8_tests fp8_overhead pp_bench pp_tests step_small capture_tests recipe_fp8
 # Every part has its own time limit and log; a short table is printed last. Results go to $OUT (or
@@ -31,12 +31,12 @@ for p in "${parts[@]}"; do
         python3 -c "import torch, lightning, transformer_engine as te; print('versions: torch', torch.__version__, 'lightning', lightning.__version__, 'TE', te.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1 ;;
     multi_transpose)
         part multi_transpose_tests 90 python3 -m pytest tests/gpu/test_multi_transpose_gpu.py -q -rs -p no:cacheprovider
-        part multi_transpose_bench 90 python3 benchmarks/fp8_multi_transpose.py --out "$OUT/multi_transpose.json" ;;
+        part multi_transpose_bench 90 python3 -m benchmarks.fp8_multi_transpose --out "$OUT/multi_transpose.json" ;;
     fp8_tests) part fp8_tests 300 env FP8_EVIDENCE_JSON="$OUT/fp8_te.json" python3 -X faulthandler -m pytest tests/gpu/test_fp8_te.py -q -s -rs -p no:cacheprovider ;;
-    fp8_overhead) part fp8_overhead 280 python3 benchmarks/fp8_lightning.py --parts overhead --presets small medium --rounds 2 --out "$OUT/fp8_overhead.json" ;;
-    pp_bench) part pp_bench 80 python3 benchmarks/pp_alignment.py --out "$OUT/pp_alignment.json" ;;
+    fp8_overhead) part fp8_overhead 280 python3 -m benchmarks.fp8_lightning --parts overhead --presets small medium --rounds 2 --out "$OUT/fp8_overhead.json" ;;
+    pp_bench) part pp_bench 80 python3 -m benchmarks.pp_alignment --out "$OUT/pp_alignment.json" ;;
     pp_tests) part pp_tests 60 python3 -m pytest tests/gpu/test_pipeline_te.py -q -s -rs -p no:cacheprovider ;;
-    step_small) part step_small 60 python3 benchmarks/step_time.py --presets small --compile-presets --out "$OUT/bench" ;;
+    step_small) part step_small 120 python3 -m benchmarks.harness --workloads gpt-small --variants eager ours --rounds 1 --out "$OUT/bench" ;;
     capture_tests) part capture_tests 60 python3 -m pytest tests/gpu/test_capture_gpu.py tests/gpu/test_strategy_gpu.py -q -p no:cacheprovider -x ;;
     recipe_fp8) part recipe_fp8 45 python3 -m recipes.gpt_pretrain --preset tiny --fp8 --compare --steps 120 --log-every 0 --out "$OUT/recipe_fp8" ;;
     *) echo "unknown part $p" >&2; exit 2 ;;

@@ -1,12 +1,15 @@
 """What the memset nodes of a captured training step cost, and what rewriting them as kernels gains.
 
+What it measures that the harness cannot: the same hand-written whole-step graph with its memset nodes kept and
+rewritten as fill kernels, side by side in one process (the harness only runs the plugin's choice).
+
 One process, one preset at a time: two copies of the benchmark GPT (same seed, same batches), each with
 its whole step (forward, backward, fused AdamW) captured as a raw ``torch.cuda.CUDAGraph`` — one kept as
 captured, one with its memset nodes rewritten as fill kernels (``core._cuda_nodes``). Both replay the same
 batches from the same state: their losses must be bitwise equal. Then the two graphs' replays are timed in
 alternating windows (ABAB...), the host far ahead (no sync inside a window). Measures; asserts nothing.
 
-    python benchmarks/graph_memsets.py --presets tiny small --out build/graph_memsets
+    python -m benchmarks.graph_memsets --presets tiny small --out build/graph_memsets
 """
 
 from __future__ import annotations
@@ -14,25 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness.rawstep import capture_raw_step
+from nemo_cudagraph_plugin.core import _cuda_nodes
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from step_time import Spec, capture_raw_step  # noqa: E402
-
-from nemo_cudagraph_plugin.core import _cuda_nodes  # noqa: E402
 
 
-def build(spec: Spec, rewrite: bool) -> dict:
-    step = capture_raw_step(spec, keep_graph=True)
+def build(preset: str, steps: int, rewrite: bool) -> dict:
+    step = capture_raw_step(preset, steps, keep_graph=True)
     g = step.graph
-    print(f"[{spec.preset} rewrite={rewrite}] warm-up and capture ok", flush=True)
+    print(f"[{preset} rewrite={rewrite}] warm-up and capture ok", flush=True)
     raw = g.raw_cuda_graph()
     nodes_before = _cuda_nodes.node_types(raw)
     res = None
@@ -46,9 +45,9 @@ def build(spec: Spec, rewrite: bool) -> dict:
     step.static.copy_(step.data[3])
     g.replay()
     torch.cuda.synchronize()
-    print(f"[{spec.preset} rewrite={rewrite}] capture, rewrite ({res}), replay ok", flush=True)
+    print(f"[{preset} rewrite={rewrite}] capture, rewrite ({res}), replay ok", flush=True)
     # The module and optimizer stay referenced: the graph addresses their parameters and states.
-    return {"module": step.module, "opt": step.opt, "params": list(step.module.model.parameters()), "g": g,
+    return {"model": step.model, "opt": step.opt, "params": list(step.model.parameters()), "g": g,
             "static": step.static, "out": step.out, "data": step.data, "losses": step.warmup_losses, "before": nodes_before,
             "after": nodes_after, "replaced": res.replaced if res else 0, "kept": res.kept if res else 0,
             "rewrite_ms": rewrite_s * 1e3}
@@ -60,8 +59,7 @@ def replay(x: dict, i: int) -> None:
 
 
 def run(preset: str, args: argparse.Namespace) -> dict:
-    spec = Spec(variant="raw_graph", preset=preset, steps=args.steps)
-    a, b = build(spec, False), build(spec, not args.control)
+    a, b = build(preset, args.steps, False), build(preset, args.steps, not args.control)
     # Correctness: the same batches from the same state.
     la, lb = [], []
     for i in range(3, 3 + args.parity_steps):
@@ -130,4 +128,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

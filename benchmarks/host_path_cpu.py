@@ -1,14 +1,15 @@
 """Host time of a replayed step on a CPU-only machine: the per-step Python that no graph removes.
 
-On a small model the GPU finishes a replayed step before the host has issued the next one (the "tiny"
-preset of ``step_time.py``), so the step time is the host path: Lightning's loop, the runner, the
+What it measures that the harness cannot: the host path alone, free of the GPU, per variant and in machine
+instructions. On a small model the GPU finishes a replayed step before the host has issued the next one (the GPT
+"tiny" workload of ``python -m benchmarks.harness``), so the step time is the host path: Lightning's loop, the runner, the
 engine's key and address checks, the input copy, the output clone, the re-emitted ``self.log`` calls
 and the NaN guard's bookkeeping. This script runs that path on the CPU with a stand-in backend whose
 replay does nothing, so what is timed is exactly the host path (the recipe's GPT, tiny preset: its 52
 parameters are scanned per replay like on the GPU; its widths are cut, which the host path does not see)::
 
-    python benchmarks/host_path_cpu.py                      # every variant, 3 rounds, a table
-    python benchmarks/host_path_cpu.py --variants callback --profile 30   # cProfile, top 30 by own time
+    python -m benchmarks.host_path_cpu                      # every variant, 3 rounds, a table
+    python -m benchmarks.host_path_cpu --variants callback --profile 30   # cProfile, top 30 by own time
 
 Variants:
 
@@ -23,7 +24,7 @@ least round is reported). ``--instructions`` counts instead: each variant runs u
 counting switched on over the timed steps only (a 3-line C helper compiled here with the machine's gcc and
 valgrind headers), and the table gives machine instructions per step, the same in every run::
 
-    python benchmarks/host_path_cpu.py --instructions --steps 150 --skip 50
+    python -m benchmarks.host_path_cpu --instructions --steps 150 --skip 50
 
 Measures, never asserts. The figures are this machine's; compare variants of one run as ratios. The CPU
 tensors copied per replay here are host memory, so the input copy is cheaper than a real host-to-device
@@ -46,20 +47,20 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 
+from benchmarks.harness.models import BenchLM, token_loader
+from benchmarks.harness.workloads import WORKLOADS, Workload
+from nemo_cudagraph_plugin import CudaGraphCallback
+from nemo_cudagraph_plugin.core.backend import GraphBackend
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import lightning.pytorch as pl  # noqa: E402
-
-from nemo_cudagraph_plugin import CudaGraphCallback  # noqa: E402
-from nemo_cudagraph_plugin.core.backend import GraphBackend  # noqa: E402
-from recipes.gpt import get_config  # noqa: E402
 
 VARIANTS = ("floor", "callback", "noguard", "nolog")
 
@@ -152,9 +153,10 @@ def instructions(variant: str, steps: int, skip: int, tmp: Path, lib: Path) -> f
     """Machine instructions per replayed step of ``variant``, counted by callgrind over steps ``skip``..``steps``."""
     out = tmp / f"cg.{variant}"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-           sys.executable, __file__, "--child", variant, "--steps", str(steps), "--skip", str(skip)]
+           sys.executable, "-m", "benchmarks.host_path_cpu", "--child", variant, "--steps", str(steps), "--skip",
+           str(skip)]
     env = dict(os.environ, HOST_PATH_CG_LIB=str(lib))
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{variant}: valgrind exited {r.returncode}:\n{r.stderr[-3000:]}")
     return read_totals(tmp, variant) / (steps - skip)
@@ -170,40 +172,65 @@ def read_totals(folder: Path, variant: str) -> int:
     return total
 
 
-def _config() -> Any:
+def _workload(steps: int) -> Workload:
     # The tiny preset's layers and parameters (52, each scanned per replay), with small widths: the host path does
     # not depend on them, and the eager warm-up steps are then quick (under valgrind too).
-    return get_config("tiny", n_embd=64, n_head=2, seq_len=32, vocab_size=512)
+    return replace(WORKLOADS["gpt-tiny"], hidden=64, heads=2, kv_heads=2, seq=32, vocab=512, steps=steps)
 
 
-def _module(log: bool) -> pl.LightningModule:
-    import step_time  # the benchmark's module: the recipe's GPT with the bench's optimizer
+def _module(steps: int, log: bool) -> pl.LightningModule:
+    # the harness's module on the GPT, with a fused AdamW and no schedule: nothing but the step on the host path
+    return BenchLM(_workload(steps), optim="fused_adamw", schedule=False, log=log)
 
-    return step_time.BenchModule(_config(), optim="fused_adamw", capturable=False, log=log)
+
+class StoredRun(pl.Callback):
+    """``floor``: steps 0 and 1 train eagerly; from step 2 ``automatic_optimization.run`` returns step 1's output and
+    advances Lightning's progress counters as that step did. What remains per step is Lightning's loop: fetch,
+    collate, transfer, hooks, counters."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx != 1:
+            return
+        from nemo_cudagraph_plugin.lightning import _compat
+
+        loop = _compat.automatic_loop(trainer)
+        orig = loop.run
+
+        def first(optimizer, batch_idx, kwargs):
+            before = _compat.progress_snapshot(loop)
+            out = orig(optimizer, batch_idx, kwargs)
+            delta = _compat.ProgressDelta(before, _compat.progress_snapshot(loop))
+            loss = out["loss"].detach()
+
+            def stored(optimizer, batch_idx, kwargs):
+                delta.apply()
+                return OrderedDict(loss=torch.empty_like(loss))
+
+            loop.run = stored
+            return OrderedDict(loss=loss)
+
+        loop.run = first
 
 
 def run(variant: str, steps: int, skip: int, prof: Optional[cProfile.Profile] = None,
         counter: Any = None) -> dict[str, float]:
-    import step_time
-
     torch.manual_seed(0)
-    module = _module(log=variant != "nolog")
+    module = _module(steps, log=variant != "nolog")
     timer = _Timer(skip, prof, counter)
     callbacks: list[pl.Callback] = []
     if variant == "floor":
-        callbacks.append(step_time.StoredRun())
+        callbacks.append(StoredRun())
     else:
         cb = CudaGraphCallback(nan_guard=variant != "noguard", warmup_steps=2)
         cb.step_runner.backend = NoopReplayBackend()
         callbacks.append(cb)
-    spec = step_time.Spec(variant="callback", preset="tiny", steps=steps, device="cpu")
     # One epoch holds exactly `steps` batches: a loop whose global_step stood still would end there, not run on.
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, callbacks=[*callbacks, timer],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, train_dataloaders=step_time._loader(spec, _config()))
+        trainer.fit(module, train_dataloaders=token_loader(_workload(steps), steps, seed=0, pin=False))
     if trainer.global_step != steps:
         raise RuntimeError(f"{variant}: global_step {trainer.global_step} after {steps} batches")
     if variant != "floor":

@@ -1,9 +1,9 @@
 """Where a host-bound replayed step's host time goes, section by section, on the GPU host.
 
-``step_time.py`` reports the host time inside our step and between steps (medians of the timed window);
-cProfile (``--host-profile``) adds a per-call cost that inflates Python-heavy sections. This script times the
-sections themselves with ``time.perf_counter_ns`` around them (about 0.1 µs per timer), in one process, on the
-tiny preset where the step is host-bound (``CudaGraphCallback()`` as in ``step_time.py``'s ``callback``):
+What it measures that the harness cannot: the host time of a replayed step split into its sections. The harness
+times whole steps; cProfile adds a per-call cost that inflates Python-heavy sections. This script times the
+sections themselves with ``time.perf_counter_ns`` around them (about 0.1 µs per timer), in one process, on the GPT
+tiny workload where the step is host-bound (``CudaGraphCallback()``, bf16 parameters, fused AdamW, no schedule):
 
 * the runner's step (``loop.run``) and inside it: the step key, ``engine.step`` (its guards, batch flatten and
   signature, cache lookup, input copy, replay, progress counters, output copy or, with ``io_in_graph``, the binding
@@ -17,8 +17,8 @@ tiny preset where the step is host-bound (``CudaGraphCallback()`` as in ``step_t
 Only this diagnostic process wraps anything (instance attributes, and two module functions of the engine); the
 product is not changed. Measures, never asserts::
 
-    python benchmarks/host_sections.py --steps 300 --from 100 --out /tmp/hs
-    python benchmarks/host_sections.py --io-in-graph 1 0 1 0 --n 500   # both ways, alternating, one process
+    python -m benchmarks.host_sections --steps 300 --from 100 --out /tmp/hs
+    python -m benchmarks.host_sections --io-in-graph 1 0 1 0 --n 500   # both ways, alternating, one process
 """
 
 from __future__ import annotations
@@ -26,24 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import lightning.pytorch as pl  # noqa: E402
-import step_time as st  # noqa: E402
-
-from nemo_cudagraph_plugin import CudaGraphCallback  # noqa: E402
-from nemo_cudagraph_plugin.core import engine as engine_mod  # noqa: E402
-from nemo_cudagraph_plugin.lightning import _compat  # noqa: E402
+from benchmarks.harness.models import BenchLM, token_loader
+from benchmarks.harness.workloads import WORKLOADS
+from nemo_cudagraph_plugin import CudaGraphCallback
+from nemo_cudagraph_plugin.core import engine as engine_mod
+from nemo_cudagraph_plugin.lightning import _compat
 
 _ns = time.perf_counter_ns
 
@@ -208,7 +204,7 @@ def _enter_exit(s: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--from", dest="first", type=int, default=100)
     ap.add_argument("--n", type=int, default=2000, help="calls per primitive")
@@ -258,18 +254,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fit(args: argparse.Namespace, io_in_graph: bool) -> dict:
     """One instrumented fit of the preset; its section medians, step periods and transfer costs."""
-    spec = st.Spec(variant="callback", preset=args.preset, steps=args.steps, measure_from=args.first)
-    cfg = st.get_config(spec.preset)
+    w = replace(WORKLOADS[f"gpt-{args.preset}"], steps=args.steps)
     pl.seed_everything(0, verbose=False)
-    module = st.BenchModule(cfg, optim=spec.optim, capturable=False)
+    module = BenchLM(w, optim="fused_adamw", schedule=False)
     sec = Sections()
     cb = CudaGraphCallback(io_in_graph=io_in_graph)
     inst = Instrument(cb, sec, args.first, args.steps - 1)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, precision=spec.precision, max_steps=args.steps,
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-true", max_steps=args.steps,
                          callbacks=[cb, inst], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     t = _ns()
-    trainer.fit(module, train_dataloaders=st._loader(spec, cfg))
+    trainer.fit(module, train_dataloaders=token_loader(w, args.steps, seed=0, pin=True))
     torch.cuda.synchronize()
     wall = (_ns() - t) / 1e9
     hp = [(b - a) / 1e3 for a, b in zip(inst.host_starts, inst.host_starts[1:])]

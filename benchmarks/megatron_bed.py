@@ -1,5 +1,8 @@
 """Megatron-core test bed on one GPU: eager vs per-layer graphs vs the whole-iteration graph.
 
+What it measures that the harness cannot: megatron-core's own per-layer and whole-iteration graphs with FP8 and
+the distributed optimizer, which the NeMo flag configures (the harness runs Lightning modules only).
+
 A small GPT from megatron-core's TransformerEngine layer spec (``get_gpt_layer_with_transformer_engine_spec``),
 TP = PP = 1 in a 1-rank NCCL group, bf16, FP8 (``fp8="hybrid"``, FP8 primary weights with ``fp8_param_gather``),
 the distributed optimizer with ``overlap_param_gather`` and ``overlap_grad_reduce``, several microbatches per

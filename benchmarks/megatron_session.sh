@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The Megatron-core test bed's arms in one run (megatron-core 0.16.1 + TransformerEngine 2.20.2 on one GPU).
+# The Megatron-core test bed's arms in one run (megatron-core 0.16.1 + TransformerEngine 2.20.2 on one GPU). What it
+# runs that the harness cannot: megatron-core's own graphs (benchmarks/megatron_bed.py).
 #
 #   OUT=/some/dir bash benchmarks/megatron_session.sh                   (carry .te/final and .whl)
 #   OUT=/some/dir ARMS=bf16layer bash benchmarks/megatron_session.sh    (the per-layer set, below)

@@ -1,6 +1,9 @@
 """What the NaN guard's gradient check costs per step on the GPU, alone, on a real model's gradients.
 
-    python benchmarks/nan_guard.py --presets tiny small --out DIR     # GPU host; prints a table last
+What it measures that the harness cannot: the NaN guard's gradient check alone, captured 20 times in one graph on a
+real model's gradients, and its kernel's block sweep (the harness sees the guard only inside whole steps).
+
+    python -m benchmarks.nan_guard --presets tiny small --out DIR     # GPU host; prints a table last
 
 For each preset the recipe GPT (bf16 parameters) runs one forward/backward; then, on those gradients, each
 variant is captured 20 times into one CUDA graph and the graph is replayed (CUDA events; no host work is
@@ -26,12 +29,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from nemo_cudagraph_plugin.core import finite  # noqa: E402
-from nemo_cudagraph_plugin.core._torch_compat import foreach_max_abs  # noqa: E402
-from recipes.gpt import GPTLightningModule, get_config, gpt_loss  # noqa: E402
+from nemo_cudagraph_plugin.core import finite
+from nemo_cudagraph_plugin.core._torch_compat import foreach_max_abs
+from recipes.gpt import GPTLightningModule, get_config, gpt_loss
 
 REPS = 20
 SWEEP = [(1024, 8, 4), (2048, 4, 4), (2048, 8, 4), (2048, 8, 8), (4096, 4, 8), (4096, 8, 8), (2048, 16, 8),

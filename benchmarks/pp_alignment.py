@@ -1,5 +1,8 @@
 """One-GPU measurement: first microbatch vs the others, lazy vs aligned FP8 transposes.
 
+What it measures that the harness cannot: pipeline microbatches of FP8 layers, the first microbatch against the
+others, with lazy or aligned transposes (the harness runs no pipeline stage).
+
 A pipeline stage is simulated by a stack of ``te.TransformerLayer`` with FP8 primary weights
 (``te.quantized_model_init``), trained with several microbatches per step. After every step an
 optimizer writes new FP8 bytes into the weights in place, the way distributed optimizers do
@@ -16,7 +19,7 @@ microbatches. Prints a table last; ``--out`` writes everything as JSON.
 
 Run (one GPU, TransformerEngine installed)::
 
-    python3 benchmarks/pp_alignment.py --out build/pp_alignment.json
+    python -m benchmarks.pp_alignment --out build/pp_alignment.json
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -35,10 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nemo_cudagraph_plugin.diagnostics import MicrobatchTimer  # noqa: E402
-from nemo_cudagraph_plugin.fp8.pipeline import align_fp8_transposes  # noqa: E402
+from nemo_cudagraph_plugin.diagnostics import MicrobatchTimer
+from nemo_cudagraph_plugin.fp8.pipeline import align_fp8_transposes
 
 MODES = ("lazy", "aligned")
 

@@ -1,10 +1,13 @@
 """What the device spends at the boundary of a replayed step: the launches around the graph.
 
+What it measures that the harness cannot: the device cost of each launch around a replayed graph (input copies,
+output copies, stream waits, copy nodes inside the graph), one by one.
+
 A replayed step is more than ``graph.replay()``: the batch is copied into the graph's input buffers before it, the
 outputs into fresh memory after it, and the training stream waits for the batch's copy on the transfer stream. Each
 is a launch of its own on the training stream, outside the graph. This measures what each costs the *device*, with
 the host far ahead (the step device-bound), on the benchmark GPT's whole step captured as one graph with its memsets
-rewritten as kernels (``benchmarks/step_time.capture_raw_step``, ``core._cuda_nodes``): the cheapest graph of that
+rewritten as kernels (``benchmarks/harness/rawstep.py``, ``core._cuda_nodes``): the cheapest graph of that
 step we know. Variants, timed in alternating windows (ABCD...), one process:
 
     graph      replay only (the batch already in the input buffer)
@@ -20,7 +23,7 @@ same batches: bitwise equal losses, with the batch read from 16-byte aligned mem
 
 Measures; asserts nothing.
 
-    python benchmarks/step_boundary.py --preset tiny --out build/step_boundary
+    python -m benchmarks.step_boundary --preset tiny --out build/step_boundary
 """
 
 from __future__ import annotations
@@ -28,19 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness.rawstep import capture_raw_step
+from nemo_cudagraph_plugin.core import _cuda_nodes
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from step_time import Spec, capture_raw_step  # noqa: E402
-
-from nemo_cudagraph_plugin.core import _cuda_nodes  # noqa: E402
 
 
 def main() -> int:
@@ -56,14 +55,13 @@ def main() -> int:
     if why or not torch.cuda.is_available():
         print(f"step_boundary: needs CUDA and the driver API ({why or 'no CUDA device'})")
         return 2
-    spec = Spec(variant="raw_graph", preset=args.preset, steps=args.steps)
-    raw = capture_raw_step(spec, keep_graph=True)
+    raw = capture_raw_step(args.preset, args.steps, keep_graph=True)
     dev = raw.static.device
     res = _cuda_nodes.rewrite_memsets(raw.graph.raw_cuda_graph(), torch.cuda.get_device_properties(dev).multi_processor_count)
     raw.graph.instantiate()
     g, static, data, out = raw.graph, raw.static, raw.data, raw.out
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    raw_io = capture_raw_step(spec, keep_graph=True)
+    raw_io = capture_raw_step(args.preset, args.steps, keep_graph=True)
     _cuda_nodes.rewrite_memsets(raw_io.graph.raw_cuda_graph(), sms)
     nbytes = static.numel() * static.element_size()
     io = _cuda_nodes.GraphIO(raw_io.graph.raw_cuda_graph(), [(raw_io.static.data_ptr(), nbytes)] * 2,
@@ -184,4 +182,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -54,7 +54,7 @@ except Exception as e:  # noqa: BLE001
 print(f"python {platform.python_version()} torch {torch.__version__} lightning {lightning.__version__} triton {tv} "
       f"TE {tev} gpu {torch.cuda.get_device_name() if torch.cuda.is_available() else None}")
 PY
-[ "${NAN_BENCH:-1}" = 1 ] && step nan_guard 20 330 bash -c "python3 benchmarks/nan_guard.py --out '$OUT' > '$OUT/nan_guard.txt' 2>&1"
+[ "${NAN_BENCH:-1}" = 1 ] && step nan_guard 20 330 bash -c "python3 -m benchmarks.nan_guard --out '$OUT' > '$OUT/nan_guard.txt' 2>&1"
 # shellcheck disable=SC2086
 step gpu_tests 60 $((${RESERVE_AFTER:-5} + 165)) bash -c "python3 -m pytest -q -p no:cacheprovider $TESTS $EXTRA_K -rfEs --junitxml='$OUT/tests.xml' > '$OUT/tests.log' 2>&1"
 step mutants 120 ${RESERVE_AFTER:-5} bash -c "python3 ci/mutants.py --tier gpu ${MUTANT_ARGS:-} --timeout 150 --out '$OUT/mutants-gpu.md' > '$OUT/mutants.log' 2>&1"

@@ -428,12 +428,6 @@ MUTANTS: list[Mutant] = [
             "tests/gpu/test_capture_gpu.py::test_graph_copies_batch_and_outputs_itself_and_training_equals_eager_bitwise[io-in-graph]"),
            "the copy kernel starts each span where the previous one's loop ended: every buffer after the first is "
            "copied short (or not at all)"),
-    Mutant("report-pairs-rounds-by-position", "cpu", "benchmarks/_step_report.py",
-           "        res[\"ours_over_nemo_rounds\"] = [by_round[OURS][k] / by_round[NEMO][k] for k in sorted(by_round[OURS])\n"
-           "                                        if k in by_round[NEMO]]",
-           "        res[\"ours_over_nemo_rounds\"] = [a / b for a, b in zip(by_round[OURS].values(), by_round[NEMO].values())]",
-           ("tests/test_step_report.py::test_ours_over_nemo_is_given_within_each_round_and_a_round_without_both_is_left_out",),
-           "the step-time report pairs ours and NeMo by position: after a failed round every pair is of two rounds"),
     Mutant("ptx-copy-span-left-a-template", "cpu", NODES,
            '    + "".join(_PTX_COPY_SPAN.replace("{i}", str(i)) for i in range(_COPY_SEGMENTS))',
            '    + "".join(_PTX_COPY_SPAN for i in range(_COPY_SEGMENTS))',
@@ -991,6 +985,25 @@ MUTANTS: list[Mutant] = [
            "        if loop.__dict__.get(\"output_result_cls\") is _UndividedClosureResult:\n            pass",
            (LT + "test_the_loss_is_not_divided_by_one_inside_the_step_and_training_equals_eager[1]",),
            "the trainer's loop keeps the runner's result class after fit"),
+    # -- the step-time harness's report: the figures of the results table -----------------------------
+    Mutant("report-pairs-rounds-by-position", "cpu", "benchmarks/harness/report.py",
+           "            ratio_rounds = [ok_by_round[v][k][\"ms_per_step\"] / ok_by_round[base][k][\"ms_per_step\"]\n"
+           "                            for k in sorted(ok_by_round[v]) if k in ok_by_round.get(base, {})]",
+           "            ratio_rounds = [a[\"ms_per_step\"] / b[\"ms_per_step\"]\n"
+           "                            for a, b in zip(ok_by_round[v].values(), ok_by_round.get(base, {}).values())]",
+           ("tests/test_harness.py::test_ratio_to_the_baseline_pairs_runs_of_the_same_round_and_leaves_out_a_round_without_both",),
+           "the step-time report pairs a variant with its baseline by position: after a failed round every pair is of "
+           "two rounds"),
+    Mutant("report-loss-against-another-rounds-eager", "cpu", "benchmarks/harness/report.py",
+           "        ref = ref_runs.get(r[\"round\"])",
+           "        ref = next(iter(ref_runs.values()), None)",
+           ("tests/test_harness.py::test_loss_differences_are_against_the_same_rounds_eager_and_compiled_ones_also_against_compile",),
+           "the step-time report compares every round's losses with the first round's eager run"),
+    Mutant("mfu-full-attention", "cpu", "benchmarks/harness/workloads.py",
+           "6.0 * layers * seq * seq * hidden * batch",
+           "12.0 * layers * seq * seq * hidden * batch",
+           ("tests/test_harness.py::test_mfu_counts_six_n_tokens_plus_causal_attention_over_the_datasheet_peak",),
+           "MFU counts full rather than causal attention FLOPs"),
 ]
 
 

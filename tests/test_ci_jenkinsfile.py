@@ -464,6 +464,24 @@ def test_convergence_stage_commands_with_no_venv(tmp_path):
     assert not (tmp_path / ".venv").exists()
 
 
+@pytest.mark.parametrize("writes", [True, False])
+def test_bench_stage_runs_the_harness_and_fails_when_it_wrote_no_json(tmp_path, writes):
+    script = _copy_script(tmp_path)
+    fake = tmp_path / "bin" / "python3"
+    write = "mkdir -p benchmarks/results && echo {} > benchmarks/results/step-time.json" if writes else ":"
+    _fake_python(fake, f'echo "$@" >> "{tmp_path}/calls"; if [ "$2" = benchmarks.harness ]; then {write}; fi; exit 0\n')
+    env = {**os.environ, "NO_VENV": "1", "PYTHON": str(fake), "BENCH_ARGS": "--rounds 1 --gpus 4"}
+    out = subprocess.run(["bash", str(script), "bench"], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=tmp_path)
+    calls = [c for c in (tmp_path / "calls").read_text().splitlines() if c != "--version"]
+    assert calls == ["-m benchmarks.harness --out benchmarks/results --rounds 1 --gpus 4"], calls
+    if writes:
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "results to archive: benchmarks/results/step-time.json" in out.stdout
+    else:
+        assert out.returncode == 1 and "FAIL: python -m benchmarks.harness wrote no" in out.stdout
+
+
 # ------------------------------------------------------------------------------------------------------------
 # ci/setup-venv.sh (README's first command) and tests/gpu/conftest.py
 # ------------------------------------------------------------------------------------------------------------

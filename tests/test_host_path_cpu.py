@@ -4,15 +4,11 @@ through a real ``Trainer`` into replays, and its ``floor`` variant (Lightning's 
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import host_path_cpu  # noqa: E402
+from benchmarks import host_path_cpu
 
 
 @pytest.mark.parametrize("variant", ["floor", "callback", "nolog"])

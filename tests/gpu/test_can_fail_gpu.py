@@ -14,10 +14,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -200,11 +196,7 @@ def test_fp8_refresh_keeps_real_te_transposes_current_under_graphs():
     ok, why = ok if isinstance(ok, tuple) else (ok, "")
     if not ok:
         pytest.skip(f"FP8 not available: {why}")
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_lightning.py"
-    spec = importlib.util.spec_from_file_location("fp8_lightning_bench", path)
-    lb = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = lb
-    spec.loader.exec_module(lb)
+    from benchmarks import fp8_lightning as lb
     # no-flags writer: nothing but the refresh makes TE's transposes follow the new FP8 bytes
     out = lb.run("graphed+refresh", steps=16)
     print(f"\nFP8 graphed+refresh 16 steps: replays {out['replays']}, stale transposes at the end "

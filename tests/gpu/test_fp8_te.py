@@ -15,10 +15,8 @@ support. Run with ``-s`` to see figures; set ``FP8_EVIDENCE_JSON=path`` to also 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,11 +34,7 @@ pytest.importorskip(
     "transformer_engine.pytorch", reason="TransformerEngine is not installed (pip install '.[te]')"
 )
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_refresh.py"
-_spec = importlib.util.spec_from_file_location("fp8_refresh_bench", _BENCH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses resolve annotations through sys.modules
-_spec.loader.exec_module(bench)
+from benchmarks import fp8_refresh as bench  # noqa: E402 - after the skip when TE is missing
 
 _ok, _why = bench.fp8_available()
 if not _ok:
@@ -88,14 +82,6 @@ def test_stale_transpose_in_graph_fixed_by_refresh(recipe):
         assert r["rel_err_stale_vs_bf16_old_weight"] < 0.25
 
 
-def _load_lightning_bench():
-    spec = importlib.util.spec_from_file_location("fp8_lightning_bench", _BENCH.parent / "fp8_lightning.py")
-    lb = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = lb
-    spec.loader.exec_module(lb)
-    return lb
-
-
 def test_lightning_training_refresh_matches_eager_and_no_refresh_diverges():
     """Result 2 through the product path (CudaGraphCallback / Fp8TransposeRefresh), 200 steps.
 
@@ -103,7 +89,7 @@ def test_lightning_training_refresh_matches_eager_and_no_refresh_diverges():
     optimizer's parameter all-gather does): nothing tells TE the transposes are stale, so only the refresh
     keeps the backward correct, in graphs and out of them.
     """
-    lb = _load_lightning_bench()
+    from benchmarks import fp8_lightning as lb
     out = lb.compare(steps=200)
     _RESULTS["compare"] = out
     print("\n" + lb.table({"compare": out}))

@@ -1,13 +1,13 @@
 """NeMo 3.0.0's ``CUDAGraphCallback``, loaded at run time from the nemo-toolkit wheel (never vendored).
 
-The benchmark compares against the real thing: ``nemo/utils/callbacks/cuda_graph.py`` is read out of the
+The harness compares against the real thing: ``nemo/utils/callbacks/cuda_graph.py`` is read out of the
 nemo-toolkit 3.0.0 wheel with :mod:`zipfile` and executed as a module of its own with :mod:`importlib`. That
 file imports only torch and Lightning, so the rest of NeMo (and its dependencies) is never needed. Get the wheel
 once on a machine with a package index and carry the ignored ``.bench/`` folder to the GPU host::
 
     python3 -m pip download --no-deps --only-binary=:all: nemo-toolkit==3.0.0 -d .bench
 
-What NeMo's callback does to the process (why every variant of ``step_time.py`` runs in its own process): it
+What NeMo's callback does to the process (why every variant of the harness runs in its own process): it
 replaces ``torch.autocast.__init__``, ``DistributedDataParallel.__init__`` and
 ``LightningModule._LightningModule__to_tensor`` on the classes, sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, and
 swaps the trainer's training dataloader, the module's ``training_step``/``optimizer_step`` and the optimizer's

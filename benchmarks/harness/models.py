@@ -1,0 +1,153 @@
+"""The harness's LightningModule, its data and optimizer: what a user of Lightning writes, nothing about graphs.
+
+One module for both kinds of workload: a Hugging Face ``LlamaForCausalLM`` built from a config (its own loss from
+``labels``) or the recipe's GPT (``recipes/gpt.py``, :func:`recipes.gpt.gpt_loss`). ``training_step`` returns the loss
+and logs it (no progress bar: a progress-bar metric reads the loss on the host every step); ``configure_optimizers``
+gives AdamW (weight decay on >= 2-D weights) and a ``LambdaLR`` stepped every step: linear warm-up over the first
+tenth of the steps, then cosine decay to a tenth of the peak.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from recipes.gpt import GPT, get_config, gpt_loss
+
+from .workloads import Workload
+
+
+def build_model(w: Workload) -> nn.Module:
+    """The workload's model with fresh weights (from the current RNG state; nothing downloaded)."""
+    if w.kind == "llama":
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate,
+                                       num_hidden_layers=w.layers, num_attention_heads=w.heads,
+                                       num_key_value_heads=w.kv_heads, max_position_embeddings=max(2048, w.seq))
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    if w.kind == "gpt":
+        return GPT(gpt_config(w))
+    raise ValueError(f"unknown workload kind {w.kind!r}")
+
+
+def gpt_config(w: Workload) -> Any:
+    """The recipe preset of a ``gpt`` workload with the workload's shape."""
+    return get_config(w.preset or "tiny", n_layer=w.layers, n_embd=w.hidden, n_head=w.heads, seq_len=w.seq,
+                      batch_size=w.batch, vocab_size=w.vocab)
+
+
+def param_counts(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, parameters that multiply activations): the second leaves out the embedding tables, except
+    an LM head tied to one (it is a matmul, counted once)."""
+    unique = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in unique.values())
+    tables = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "head", None)
+    tied = head is not None and id(head.weight) in tables
+    return total, total - sum(tables.values()) + (head.weight.numel() if tied else 0)
+
+
+def lr_lambda(steps: int) -> Any:
+    """Linear warm-up over ``max(1, steps // 10)`` steps, then cosine to 0.1 at ``steps``."""
+    warm = max(1, steps // 10)
+
+    def at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, steps - warm))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    return at
+
+
+class BenchLM(pl.LightningModule):
+    """The workload's model trained on next-token loss.
+
+    Args:
+        workload: the model and batch shape.
+        compile_mode: ``torch.compile`` mode applied to the model in ``configure_model`` (None: eager).
+        compile_backend: a ``torch.compile`` backend instead of inductor and the mode (the CPU smoke run: ``"eager"``).
+        optim: ``"adamw"`` (torch's default, foreach, implementation) or ``"fused_adamw"``. Lightning refuses
+            gradient clipping with a fused optimizer under ``bf16-mixed`` (it unscales internally).
+        capturable: ``AdamW(capturable=True)`` (NeMo's callback needs it and does not set it).
+        schedule: the warm-up + cosine ``LambdaLR`` over ``max_steps``, stepped every step.
+        log: ``self.log("train_loss", loss)`` in the step.
+        device: where the weights are created (on the GPU a 1 B model initialises in a fraction of the CPU's time).
+    """
+
+    def __init__(self, workload: Workload, *, compile_mode: Optional[str] = None,
+                 compile_backend: Optional[str] = None, optim: str = "adamw",
+                 capturable: bool = False, schedule: bool = True, max_steps: int = 100, lr: float = 3e-4,
+                 log: bool = True, device: Optional[str] = None) -> None:
+        super().__init__()
+        self.workload, self.compile_mode, self.compile_backend = workload, compile_mode, compile_backend
+        self.optim_kind = optim
+        self.capturable, self.schedule, self.max_steps, self.lr, self.log_loss = capturable, schedule, max_steps, lr, log
+        with torch.device(device or "cpu"):
+            self.model = build_model(workload)
+        self.n_params, self.n_matmul_params = param_counts(self.model)
+
+    def configure_model(self) -> None:
+        if self.compile_mode is not None and not hasattr(self.model, "_orig_mod"):
+            if self.compile_backend is not None:
+                kw: dict[str, Any] = {"backend": self.compile_backend}
+            else:
+                kw = {} if self.compile_mode == "default" else {"mode": self.compile_mode}
+            self.model = torch.compile(self.model, **kw)
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        if self.workload.kind == "gpt":
+            return gpt_loss(self.model(batch["input_ids"]), batch["labels"])
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+
+    def training_step(self, batch: dict, batch_idx: Optional[int] = None) -> torch.Tensor:
+        # batch_idx optional: NeMo's callback calls training_step(batch)
+        loss = self.loss(batch)
+        if self.log_loss:
+            self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        kw: dict[str, Any] = {"fused": True} if self.optim_kind == "fused_adamw" else {}
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=self.lr, betas=(0.9, 0.95), capturable=self.capturable, **kw)
+        if not self.schedule:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.max_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class TokenWindows(Dataset):
+    """Fixed random token windows: every variant of a workload sees the same batches in the same order.
+
+    ``gpt``: ``labels`` are the inputs shifted by one (the recipe's loss); ``llama``: ``labels`` equal the inputs
+    (Hugging Face shifts them inside its loss).
+    """
+
+    def __init__(self, n: int, seq: int, vocab: int, seed: int, shifted: bool) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab, (n, seq + 1), generator=g)
+        self.shifted = shifted
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        x = self.data[i]
+        if self.shifted:
+            return {"input_ids": x[:-1], "labels": x[1:]}
+        return {"input_ids": x[:-1], "labels": x[:-1]}
+
+
+def token_loader(w: Workload, steps: int, seed: int, pin: bool) -> DataLoader:
+    """``steps`` batches of the workload's shape, in order."""
+    ds = TokenWindows(steps * w.batch, w.seq, w.vocab, seed, shifted=w.kind == "gpt")
+    return DataLoader(ds, batch_size=w.batch, shuffle=False, drop_last=True, pin_memory=pin)

@@ -1,0 +1,53 @@
+"""The variants of the step-time table: what runs in one child process. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Variant:
+    """``compile``: the ``torch.compile`` mode applied to the model in ``configure_model`` (None: not compiled);
+    ``ours``: ``CudaGraphCallback()`` attached; ``nemo``: NeMo 3.0.0's ``CUDAGraphCallback`` from its wheel."""
+
+    name: str
+    label: str
+    description: str
+    compile: Optional[str] = None
+    ours: bool = False
+    nemo: bool = False
+    #: the same run without CUDA graphs: the reference of this variant's peak memory
+    reference: str = "eager"
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the step runs as CUDA graph replays (ours, NeMo's, or torch.compile's own)."""
+        return self.ours or self.nemo or self.compile == "reduce-overhead"
+
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("eager", "eager", "Lightning, no graphs: the reference for the losses"),
+    Variant("ours", "ours", "`CudaGraphCallback()`", ours=True),
+    Variant("ours_noguard", "ours, NaN guard off", "`CudaGraphCallback(nan_guard=False)`: what the guard costs",
+            ours=True),
+    Variant("compile", "compile", "`torch.compile(model)` (mode `default`) in `configure_model`", compile="default"),
+    Variant("compile_ro", "compile `reduce-overhead`",
+            "`torch.compile(model, mode='reduce-overhead')`: torch's own CUDA graphs (cudagraph trees)",
+            compile="reduce-overhead", reference="compile"),
+    Variant("compile_ours", "compile + ours", "`torch.compile(model)` (mode `default`) + `CudaGraphCallback()`",
+            compile="default", ours=True, reference="compile"),
+    Variant("nemo", "NeMo 3.0.0 callback",
+            "NeMo 3.0.0's `CUDAGraphCallback(capture_iteration=12)` from its wheel, optimizer built with "
+            "`capturable=True` (NeMo needs it and does not set it)", nemo=True),
+)}
+
+#: the table's variants; ``ours_noguard`` runs when asked for (``--variants``)
+DEFAULT_VARIANTS = ["eager", "ours", "compile", "compile_ro", "compile_ours", "nemo"]
+EAGER, COMPILED_EAGER = "eager", "compile"
+NEMO_CAPTURE_ITERATION = 12
+
+
+def variants_for(workload_nemo: bool, chosen: list[str]) -> list[str]:
+    """``chosen`` in table order; NeMo's callback only where the workload runs it."""
+    return [v for v in VARIANTS if v in chosen and (workload_nemo or not VARIANTS[v].nemo)]
