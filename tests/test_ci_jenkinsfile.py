@@ -471,6 +471,9 @@ def test_bench_stage_runs_the_harness_and_fails_when_it_wrote_no_json(tmp_path, 
     write = "mkdir -p benchmarks/results && echo {} > benchmarks/results/step-time.json" if writes else ":"
     _fake_python(fake, f'echo "$@" >> "{tmp_path}/calls"; if [ "$2" = benchmarks.harness ]; then {write}; fi; exit 0\n')
     env = {**os.environ, "NO_VENV": "1", "PYTHON": str(fake), "BENCH_ARGS": "--rounds 1 --gpus 4"}
+    # a JSON of an earlier run is there: it must not pass for this run's
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "benchmarks" / "results" / "step-time.json").write_text("{}")
     out = subprocess.run(["bash", str(script), "bench"], capture_output=True, text=True, timeout=60, env=env,
                          cwd=tmp_path)
     calls = [c for c in (tmp_path / "calls").read_text().splitlines() if c != "--version"]
