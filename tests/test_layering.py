@@ -111,3 +111,30 @@ def test_package_imports_are_relative():
             absolute += [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for n in names
                          if n == PKG or n.startswith(PKG + ".")]
     assert absolute == []
+
+
+def refresh_plans_built_outside_the_installer(root: Path = ROOT) -> list[str]:
+    """``Fp8RefreshPlan(...)`` calls outside ``fp8/refresh.py``: every FP8 refresh that runs after a step or an
+    all-gather is set up by ``install_fp8_refresh``, so its checks, options and undo exist once."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "fp8/refresh.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name == "Fp8RefreshPlan":
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_fp8_refreshes_are_set_up_by_the_one_installer():
+    assert refresh_plans_built_outside_the_installer() == []
+
+
+def test_the_installer_check_sees_a_plan_built_elsewhere(tmp_path):
+    pkg = tmp_path / PKG
+    (pkg / "fp8").mkdir(parents=True)
+    (pkg / "fp8" / "refresh.py").write_text("class Fp8RefreshPlan: ...\nFp8RefreshPlan()\n")
+    (pkg / "fp8" / "pipeline.py").write_text("from . import refresh\n\nrefresh.Fp8RefreshPlan([])\n")
+    assert refresh_plans_built_outside_the_installer(pkg) == [f"{PKG}/fp8/pipeline.py:3"]

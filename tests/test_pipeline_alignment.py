@@ -41,6 +41,7 @@ from nemo_cudagraph_plugin.diagnostics import (  # noqa: E402
     format_timing_table,
     gather_timing_reports,
 )
+from nemo_cudagraph_plugin.fp8 import Fp8RefreshHandle  # noqa: E402
 from nemo_cudagraph_plugin.fp8.pipeline import (  # noqa: E402
     TransposeAligner,
     align_fp8_transposes,
@@ -590,6 +591,28 @@ def test_align_refreshes_shared_params_once_and_counts():
     for p in (a, b, shared):
         fp8_doubles.write_fp8_bytes(p)
     assert aligner() == 3 and aligner.calls == 1 and all(fp8_doubles.transpose_is_current(p) for p in (a, b))
+
+
+def test_aligner_refresh_is_installed_by_the_one_installer_and_removed_with_it():
+    """The aligner's refresh is an ``install_fp8_refresh`` handle (its event: the aligner's call): the handle counts
+    the refreshes, and once removed the aligner refreshes nothing."""
+    events: list = []
+    log = PointLog(events, {"p": ("align",)})
+    a, b = (make_fp8_param(log, n, seed=i) for i, n in enumerate(("a", "b")))
+    aligner = TransposeAligner([[a], [b]])
+    assert isinstance(aligner.handle, Fp8RefreshHandle) and aligner.handle.optimizer is None
+    assert len(aligner) == 2 and aligner.plan is aligner.handle.plan
+    for p in (a, b):
+        fp8_doubles.write_fp8_bytes(p)
+    assert aligner() == 2 and aligner.handle.calls == 1 and aligner.handle.last_refreshed == 2
+    aligner.remove()
+    assert not aligner.handle.active
+    for p in (a, b):
+        fp8_doubles.write_fp8_bytes(p)
+    assert aligner() == 0 and not fp8_doubles.transpose_is_current(a)
+    # No FP8 parameter: nothing installed, nothing refreshed.
+    plain = TransposeAligner([nn.Linear(2, 2)])
+    assert plain.handle is None and plain.plan is None and len(plain) == 0 and plain() == 0
 
 
 def test_align_rejects_bad_input_clearly():

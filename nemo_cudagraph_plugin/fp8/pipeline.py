@@ -18,14 +18,14 @@ Framework-free: torch and :mod:`nemo_cudagraph_plugin.fp8` only. The imbalance i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .refresh import Fp8RefreshPlan, refresh_fp8_transposes
+from .refresh import Fp8RefreshHandle, Fused, install_fp8_refresh, refresh_fp8_transposes
 
 __all__ = [
     "ModelChunks",
@@ -126,29 +126,57 @@ def _refuse_sync_in_capture() -> None:
 class TransposeAligner:
     """:func:`align_fp8_transposes` with the chunk parameter list collected once.
 
-    Call it (no arguments) after each optimizer step / parameter sync. The FP8 parameters are
-    found once (an :class:`~nemo_cudagraph_plugin.fp8.Fp8RefreshPlan`), so the per-step Python
-    work is the refresh loop itself; build a new aligner if parameters are replaced.
+    Call it (no arguments) after each optimizer step / parameter sync. The refresh is set up once by
+    :func:`~nemo_cudagraph_plugin.fp8.install_fp8_refresh`, the aligner's call being its event, so the
+    per-step Python work is the refresh loop itself; build a new aligner if parameters are replaced.
 
     Args:
         model_chunks: this rank's model chunks (all virtual stages); see :func:`chunk_parameters`.
         pp_group: process group synchronised when ``sync_group`` is set (default: world).
         sync_group: barrier over ``pp_group`` once after the refresh so all stages start the
             schedule together. Never inside a CUDA graph capture (raises there).
+        fused: see :class:`~nemo_cudagraph_plugin.fp8.Fp8RefreshPlan`.
+
+    Attributes: ``handle`` (the :class:`~nemo_cudagraph_plugin.fp8.Fp8RefreshHandle`; ``None`` when the chunks
+    hold no FP8 parameter), ``plan`` (its plan, or ``None``), ``calls`` (host-side calls; a captured call
+    replays without coming back here), ``syncs``, ``last_refreshed``. ``len(aligner)``: the FP8 parameters.
     """
 
-    def __init__(self, model_chunks: ModelChunks, pp_group: Optional[Any] = None, sync_group: bool = False):
+    def __init__(
+        self, model_chunks: ModelChunks, pp_group: Optional[Any] = None, sync_group: bool = False, fused: Fused = "auto"
+    ):
         self.params = chunk_parameters(model_chunks)
-        self.plan = Fp8RefreshPlan(self.params)
+        self._refresh: Optional[Callable[[], int]] = None
+        # mode="auto": chunks without FP8 parameters install nothing and refresh nothing.
+        self.handle: Optional[Fp8RefreshHandle] = install_fp8_refresh(
+            self._attach, self.params, mode="auto", owner="TransposeAligner", require_stable_address=None, fused=fused
+        )
+        self.plan = None if self.handle is None else self.handle.plan
         self.pp_group = pp_group
         self.sync_group = bool(sync_group)
-        self.calls = 0  # host-side calls (a captured call replays without coming back here)
+        self.calls = 0
         self.syncs = 0
         self.last_refreshed = 0
 
+    def _attach(self, refresh: Callable[[], int]) -> Callable[[], None]:
+        self._refresh = refresh
+
+        def detach() -> None:
+            self._refresh = None
+
+        return detach
+
+    def __len__(self) -> int:
+        return 0 if self.plan is None else len(self.plan)
+
+    def remove(self) -> None:
+        """Uninstall the refresh: later calls refresh nothing (idempotent)."""
+        if self.handle is not None:
+            self.handle.remove()
+
     def refresh(self) -> int:
         """Refresh every FP8 transpose of the chunks; capturable. Returns how many were refreshed."""
-        n = self.plan.refresh()
+        n = self._refresh() if self._refresh is not None else 0
         self.calls += 1
         self.last_refreshed = n
         return n

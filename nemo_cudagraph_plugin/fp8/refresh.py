@@ -21,9 +21,9 @@ which the flags are set as ``_create_transpose()`` sets them.
 Where it runs:
 
 * :func:`install_fp8_refresh` is the one installer every entry point calls (the Lightning callbacks and
-  strategy, the Megatron all-gather paths). On a torch optimizer it registers an
-  ``optimizer.register_step_post_hook``; for another framework's event (megatron-core's parameter all-gather
-  completion) it hands the refresh to an ``attach`` function of the caller. Eager
+  strategy, the Megatron all-gather paths, the pipeline aligner). On a torch optimizer it registers an
+  ``optimizer.register_step_post_hook``; for another event (megatron-core's parameter all-gather completion, a
+  pipeline aligner's call after the parameter sync) it hands the refresh to an ``attach`` function of the caller. Eager
   steps run the refresh right after ``optimizer.step()``. When the optimizer step is captured
   into a CUDA graph, the hook runs once at capture and its transpose kernels become part of the
   graph right after the optimizer's kernels: every replay refreshes with no Python work.

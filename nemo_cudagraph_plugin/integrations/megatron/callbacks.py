@@ -30,7 +30,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch import nn
 
-from ...fp8 import Fp8RefreshPlan
+from ...fp8 import iter_fp8_params
 from ...fp8.pipeline import ModelChunks, TransposeAligner, chunk_parameters, sync_pipeline_group
 from .full_iteration import full_iteration_forward_backward
 from .param_gather import ParamGatherRefresh, find_megatron_ddp, install_param_gather_refresh
@@ -133,9 +133,9 @@ class AlignPipelineTransposes(pl.Callback):
         # The barrier is done at batch end, outside the step, so the hook itself never syncs.
         self.hook = ParamSyncHook(others, sync_group=False, finish_param_sync=True) if others else None
         self.gather_refresh = install_param_gather_refresh(megatron) if megatron else None
-        n_fp8 = len(self.hook.aligner.plan) if self.hook is not None else 0
+        n_fp8 = len(self.hook.aligner) if self.hook is not None else 0
         if megatron:
-            n_fp8 += len(Fp8RefreshPlan(chunk_parameters(megatron)))
+            n_fp8 += sum(1 for _ in iter_fp8_params(chunk_parameters(megatron)))
         if n_fp8 == 0:
             warnings.warn(
                 "AlignPipelineTransposes: the model chunks hold no FP8 (TransformerEngine Float8Tensor) "
@@ -186,6 +186,8 @@ class AlignPipelineTransposes(pl.Callback):
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.hook is not None:
+            self.hook.aligner.remove()
         if self.gather_refresh is not None:
             self.gather_refresh.remove()
 

@@ -176,7 +176,7 @@ def make_param_sync_hook(
 
 def install_param_sync_hook(config: Any, model_chunks: Sequence[Any], **kwargs: Any) -> ParamSyncHook:
     """Set ``config.param_sync_func`` (a Megatron ``ModelParallelConfig``/``TransformerConfig``) to a
-    :class:`ParamSyncHook`. ``hook.uninstall()`` puts the previous function back.
+    :class:`ParamSyncHook`. ``hook.uninstall()`` puts the previous function back and removes the refresh.
 
     Megatron-core calls ``param_sync_func`` only in the interleaved schedule, so this needs two or
     more chunks; with one chunk call ``make_param_sync_hook(...)()`` after ``optimizer.step()``.
@@ -198,6 +198,7 @@ def install_param_sync_hook(config: Any, model_chunks: Sequence[Any], **kwargs: 
 
     def uninstall() -> None:
         config.param_sync_func = previous
+        hook.aligner.remove()
 
     hook.uninstall = uninstall  # type: ignore[attr-defined]
     config.param_sync_func = hook
