@@ -4,7 +4,7 @@
 # under $OUT and prints one table last.
 #
 #   OUT=/tmp/out bash ci/gpu_tests.sh                          # tests/gpu on this tree
-#   OLD=.old OLD_TESTS="tests/gpu/test_stale_gpu.py" OUT=... bash ci/gpu_tests.sh
+#   OLD=.old OLD_TESTS="$PWD/tests/gpu/test_stale_gpu.py" OUT=... bash ci/gpu_tests.sh   # test paths: absolute
 #   TESTS="tests/gpu/test_stale_gpu.py tests/gpu/test_capture_gpu.py" OUT=... bash ci/gpu_tests.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,10 +18,14 @@ print(f"python {platform.python_version()} torch {torch.__version__} lightning {
       f"cuda {torch.version.cuda} gpu {torch.cuda.get_device_name() if torch.cuda.is_available() else None}")
 PY
 if [ -n "${OLD:-}" ]; then
-    # The old package shadows this tree's: run from inside OLD (sys.path[0]) with the tests of this tree.
-    (cd "$OLD" && python3 -c "import nemo_cudagraph_plugin as m; print('old package:', m.__file__)" \
-        && timeout "${OLD_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider ${OLD_TESTS:-../tests/gpu/test_stale_gpu.py} \
-           -o junit_suite_name=old --junitxml="$OUT/old.xml" -rfE) > "$OUT/old.log" 2>&1
+    # The old package shadows this tree's: run from inside OLD (sys.path[0]) with the tests of this tree. pytest's
+    # `pythonpath = ["."]` would put this checkout first again: emptied here, the checkout (recipes/) goes after OLD,
+    # and NCG_PACKAGE_UNDER_TEST makes the session stop unless the old package is the one imported.
+    OLD_ABS="$(cd "$OLD" && pwd)"
+    (cd "$OLD" && NCG_PACKAGE_UNDER_TEST="$OLD_ABS" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout "${OLD_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o pythonpath= \
+           ${OLD_TESTS:-$ROOT/tests/gpu/test_stale_gpu.py} -o junit_suite_name=old --junitxml="$OUT/old.xml" -rfE) \
+        > "$OUT/old.log" 2>&1
     echo "old: exit $? ($(tail -n 1 "$OUT/old.log"))"
 fi
 timeout "${NEW_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} -rfEs \

@@ -7,12 +7,15 @@ capture-error reports all run exactly as on a GPU; only the graph object is the 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 
 import pytest
 import torch
 from _tape import CpuGeneratorRegistry, TapeBackend
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from nemo_cudagraph_plugin.core import CaptureConfig, CaptureEngine, CaptureError, NanGuard, ParityError
 from nemo_cudagraph_plugin.core.adapter import StepAdapter, StepFunctions
@@ -51,7 +54,7 @@ class Problem:
         self.opt.step()
         return {"loss": loss.detach()}
 
-    def engine(self, backend: TapeBackend | None = None, generators=None, **cfg) -> CaptureEngine:
+    def engine(self, backend: TapeBackend | None = None, generators=None, adapter_kw=None, **cfg) -> CaptureEngine:
         names = {id(p): n for n, p in self.named()}
 
         def state():
@@ -59,7 +62,7 @@ class Problem:
             return out + [("lr tensor", self.opt.param_groups[0]["lr"])]
 
         cfg.setdefault("nan_guard", False)
-        return CaptureEngine(CaptureConfig(**cfg), cpu, self.named(), StepFunctions(state=state),
+        return CaptureEngine(CaptureConfig(**cfg), cpu, self.named(), StepFunctions(state=state, **(adapter_kw or {})),
                              generators=generators, backend=backend or TapeBackend())
 
     def params(self) -> list[Tensor]:
@@ -92,6 +95,46 @@ def test_graphed_steps_equal_eager_bitwise(fresh, io):
     losses = [float(eng.step(b, "k", p.step, fresh_grads=fresh)["loss"]) for b in bs]
     assert (eng.stats.warmup_steps, eng.stats.captures, eng.stats.replays) == (2, 1, 7)
     assert be.replays == 7 and p.calls == 3, "replays must not run the step's Python"
+    assert losses == ref_losses and same(p.params(), ref_params)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "eager"])
+def test_a_step_that_zeroes_its_gradients_is_warmed_and_captured_without_the_previous_ones(on_error):
+    """A step that zeroes its gradients (``fresh_grads``) makes the previous step's gradients dead values. The last
+    warm-up (its host-sync check) copies none of them and the capture holds no reference to them, so the graphed run
+    peaks with one set of gradients alive, as eager training does; training stays bitwise eager's."""
+    bs = batches(6)
+    ref_losses, ref_params = eager(bs)
+    p = Problem()
+    previous: list[weakref.ref] = []
+    alive_in_capture: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def in_capture():
+        alive_in_capture.append((len(previous), sum(r() is not None for r in previous)))
+        yield
+
+    class Clones(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.of_grads = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is Tensor.clone and any(args[0] is q.grad for _, q in p.named()):
+                self.of_grads += 1
+            return func(*args, **(kwargs or {}))
+
+    eng = p.engine(warmup_steps=2, on_capture_error=on_error, sync_check=True,
+                   adapter_kw={"capture_contexts": [in_capture]})
+    losses, clones = [], []
+    for b in bs:
+        previous[:] = [weakref.ref(q.grad) for _, q in p.named() if q.grad is not None]
+        with Clones() as mode:
+            losses.append(float(eng.step(b, "k", p.step, fresh_grads=True)["loss"]))
+        clones.append(mode.of_grads)
+    assert eng.stats.captures == 1 and alive_in_capture[0][0] == len(ref_params)  # gradients to drop existed
+    assert alive_in_capture == [(len(ref_params), 0)], "the capture kept previous gradients alive"
+    assert clones == [0] * len(bs), "the sync-check warm-up copied gradients the step zeroes anyway"
     assert losses == ref_losses and same(p.params(), ref_params)
 
 

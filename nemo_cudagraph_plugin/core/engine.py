@@ -48,8 +48,9 @@ repeats what it needs after each replay (``after_replay``). Hazards covered here
   (``fresh_grads=True``: nothing accumulates across steps) is captured with the gradients set to
   ``None`` first, as ``zero_grad(set_to_none=True)`` leaves them in eager training. Backward then
   writes them fresh into the graph's memory (no zeroing kernel, no accumulation kernel per
-  parameter), and a parameter without a gradient in this step is skipped by the optimizer exactly
-  as in eager training. Such a graph depends on no gradient address; its gradients are temporaries
+  parameter; the previous step's gradients are released, not kept, so the capture's peak holds one
+  set of gradients as eager's does), and a parameter without a gradient in this step is skipped by
+  the optimizer exactly as in eager training. Such a graph depends on no gradient address; its gradients are temporaries
   of the shared pool, so after a replay ``param.grad`` holds this step's gradients only when it is
   the most recently captured graph (read gradients inside the step, e.g. in
   ``on_before_optimizer_step``);
@@ -237,7 +238,9 @@ class CaptureEngine:
             quiet_fn: like ``fn`` but without host-visible side effects (logging); used for the
                 eager half of ``verify_steps``. Defaults to ``fn``.
             fresh_grads: the step zeroes every gradient before backward and steps the optimizer
-                (no accumulation across steps), so its graph may own the gradients.
+                (no accumulation across steps), so its graph may own the gradients. The gradients from before such
+                a step are dead values: its capture drops them first and its warm-up keeps no copy, so the peak
+                holds one set of gradients, as eager training does.
         """
         leaves, spec = flatten(batch)
         full_key = (signature_of(leaves, spec), key)
@@ -363,7 +366,7 @@ class CaptureEngine:
             self._warmup_left -= 1
             self._seen.add(key)
             self.stats.warmup_steps += 1
-            out = self._warmup(fn, batch, sync_check=cfg.sync_check and self._warmup_left == 0)
+            out = self._warmup(fn, batch, sync_check=cfg.sync_check and self._warmup_left == 0, fresh_grads=fresh_grads)
             self._after_eager()
             return out
         if key not in self._seen:
@@ -371,7 +374,7 @@ class CaptureEngine:
             # library plans are then created outside the graph pool.
             self._seen.add(key)
             self.stats.count_eager("new-signature warm-up")
-            out = self._warmup(fn, batch, sync_check=cfg.sync_check)
+            out = self._warmup(fn, batch, sync_check=cfg.sync_check, fresh_grads=fresh_grads)
             self._after_eager()
             return out
         if self.cache.full():
@@ -386,7 +389,7 @@ class CaptureEngine:
             self.revalidate()
         return self._capture(key, leaves, spec, batch, fn, fresh_grads)
 
-    def _warmup(self, fn: StepFn, batch: Any, sync_check: bool) -> Any:
+    def _warmup(self, fn: StepFn, batch: Any, sync_check: bool, fresh_grads: bool) -> Any:
         """Eager step on the side stream; optionally with host syncs turned into errors."""
         be = self.backend
         s = self._side_stream()
@@ -394,9 +397,10 @@ class CaptureEngine:
         s.wait_stream(cur)
         restore = self.host_state() if sync_check else None
         backup = None
-        if sync_check and self.config.on_capture_error == "eager":
+        if sync_check and self.config.on_capture_error == "eager" and not fresh_grads:
             # A sync error can stop the step half-way (after backward, say); keep the gradients so the
-            # eager fallback does not accumulate them twice. Only then: it costs one gradient copy.
+            # eager fallback does not accumulate them twice. Only then: it costs one gradient copy. A step that
+            # zeroes its gradients (fresh_grads) needs none: the fallback zeroes them again.
             backup = [(p, None if p.grad is None else p.grad.clone()) for _, p in self.named_params]
         try:
             with be.use_stream(s):
@@ -441,21 +445,16 @@ class CaptureEngine:
             # destroyed while tensors allocated in it (gradients, the guard's tables) still live.
             self._pool = be.pool()
         owns = fresh_grads
-        saved_grads: list[tuple[Tensor, Optional[Tensor]]] = []
         if owns:
             # Backward then writes fresh gradients into the graph's memory: no zeroing kernel and no
-            # accumulation per parameter, and the optimizer skips parameters that get none.
-            saved_grads = [(p, p.grad) for _, p in self.named_params]
-            for p, _ in saved_grads:
+            # accumulation per parameter, and the optimizer skips parameters that get none. The previous
+            # step's gradients are dead values (this step zeroes them), so nothing keeps them: the capture
+            # peaks with one set of gradients alive, as eager training does (a failed capture leaves them None).
+            for _, p in self.named_params:
                 p.grad = None
         before = dict(self._named_state(with_grads=not owns))
         before_ptrs = {n: t.data_ptr() for n, t in before.items()}
-        restore = self.host_state()
-
-        def undo() -> None:
-            restore()
-            for p, g in saved_grads:
-                p.grad = g
+        undo = self.host_state()
 
         try:
             # The adapter's hazard checks: contexts around the capture (they may raise CaptureError on exit) and

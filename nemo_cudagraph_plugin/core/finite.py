@@ -179,7 +179,10 @@ class _Launch:
         self.grid = (len(rows[4]),)
         host = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
         self.host = host.pin_memory() if tensors[0].device.type == "cuda" else host
-        self.ref = tensors[0]  # its dtype selects the kernel's pointer type (never read through)
+        # Its dtype selects the kernel's pointer type (never read through). A one-element stand-in, not tensors[0]:
+        # a check kept for later steps must not keep the memory of tensors it checked alive (an eager step's
+        # gradients, freed by the next zero_grad, would otherwise stay allocated with every cached check).
+        self.ref = tensors[0].new_empty(1)
         if table is not None:
             # Memory allocated outside any capture (see the module docstring): written by fill(), after the capture.
             self.table = table[: self.host.numel()]

@@ -250,3 +250,37 @@ def test_loss_watch_kernel_counts_at_the_first_non_finite_loss_only_and_in_a_gra
         torch.cuda.synchronize()
         assert acc.cpu().tolist() == [0.0, 1.0, 0.0], replay
         assert state[:, 0].tolist() == [0.0, 0.0, 2.0]  # both launches done; the torch-ops row unused
+
+
+def test_checks_keep_addresses_not_the_tensors_they_checked():
+    """A check kept for later steps (the guard keeps its last eager steps' checks) holds the addresses of what it
+    checked, not the tensors: an eager step's gradients, dropped by the next ``zero_grad(set_to_none=True)``, are
+    freed at once (else every kept check held a whole gradient alive for the rest of the run)."""
+    import gc
+    import weakref
+
+    ts = [torch.ones(1 << 20, device=DEV) for _ in range(2)] + [torch.ones(8, device=DEV, dtype=torch.bfloat16)]
+    refs = [weakref.ref(t) for t in ts]
+    check = FiniteCheck(ts, [0, 1, 2])
+    acc = torch.zeros(3, device=DEV)
+    check.run(acc)
+    torch.cuda.synchronize()
+    assert acc.tolist() == [0.0, 0.0, 0.0] and len(check.launches) == 2
+    del ts
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 3
+
+    ps = [torch.nn.Parameter(torch.zeros(1 << 20, device=DEV)) for _ in range(2)]
+    guard = NanGuard([(f"p{i}", p) for i, p in enumerate(ps)], DEV, "full")
+    refs = []
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.ones_like(p)  # allocated while the previous one lives: a new address, a new check
+        refs += [weakref.ref(p.grad) for p in ps]
+        guard.observe_grads()
+    for p in ps:
+        p.grad = None
+    torch.cuda.synchronize()
+    gc.collect()
+    assert len(guard._checks) >= 2 and [r() is None for r in refs] == [True] * len(refs)
+    assert guard.check(raise_on_bad=False) is None
