@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.harness import report, runner
 from benchmarks.harness.cli import write_docs
+from benchmarks.harness.variants import DEFAULT_VARIANTS, VARIANTS
 from benchmarks.harness.workloads import PEAK_BF16_TFLOPS, WORKLOADS, model_flops_per_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,72 @@ def test_loss_differences_are_against_the_same_rounds_eager_and_compiled_ones_al
     assert "max_dloss_compile" not in v["ours"]
 
 
+def test_each_row_is_compared_with_its_own_loss_reference_the_run_without_graphs_of_the_same_kernels():
+    """ours differs from eager (capturable AdamW's bias correction on the device) but not from eager with the
+    optimizer prepared as ours: its Δ against its reference is 0 and the goal met; likewise compile + ours."""
+    prepared, compiled, compiled_prepared = [2.0, 1.5, 1.0001], [2.0, 1.5, 1.25], [2.0, 1.5, 1.2501]
+    runs = [run for rnd in (0, 1) for run in (
+        _run("eager", rnd, 40.0, losses=[2.0, 1.5, 1.0]), _run("reference", rnd, 40.0, losses=prepared),
+        _run("ours", rnd, 12.0, losses=prepared), _run("compile", rnd, 20.0, losses=compiled),
+        _run("compile_reference", rnd, 20.0, losses=compiled_prepared),
+        _run("compile_ro", rnd, 10.0, losses=[2.0, 1.5, 1.125]),
+        _run("compile_ours", rnd, 8.0, losses=compiled_prepared), _run("nemo", rnd, 11.0, losses=prepared))]
+    res = _one(runs)
+    v = res["variants"]
+    assert v["ours"]["max_dloss_eager"] == pytest.approx(1e-4) and v["ours"]["max_dloss_ref"] == 0.0
+    assert v["ours"]["first_diff_ref"] is None and v["ours"]["dloss_ref_rounds"] == [0.0, 0.0]
+    assert v["compile_ours"]["max_dloss_ref"] == 0.0 and v["compile_ours"]["max_dloss_compile"] == pytest.approx(1e-4)
+    assert v["nemo"]["max_dloss_ref"] == 0.0
+    assert v["compile_ro"]["max_dloss_ref"] == 0.125 and v["compile_ro"]["first_diff_ref"] == 2
+    assert v["reference"]["max_dloss_ref"] == pytest.approx(1e-4)
+    assert v["eager"]["max_dloss_ref"] is None
+    loss_goals = {g["goal"]: g for g in report.goals([res]) if "Δloss" in g["goal"]}
+    assert {g: (x["value"], x["met"]) for g, x in loss_goals.items()} == {
+        "max |Δloss|, compile + ours against compile, optimizer prepared": (0.0, True),
+        "max |Δloss|, ours against eager, optimizer prepared": (0.0, True)}
+    assert {k: r["loss_reference"] for k, r in v.items()} == {
+        "eager": None, "reference": "eager", "ours": "reference", "compile": "eager",
+        "compile_reference": "compile", "compile_ro": "compile", "compile_ours": "compile_reference",
+        "nemo": "reference"}
+    page = report.page_block({"settings": {**SETTINGS, "rounds": 2}, "env": {}, "ceiling": None, "runs": runs}, "x")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in page.splitlines() if line.startswith("| ")}
+    col = rows["variant"].index("vs its reference")
+    assert rows["ours"][col] == "0 (bitwise) vs eager, optimizer prepared"
+    assert rows["compile + ours"][col] == "0 (bitwise) vs compile, optimizer prepared"
+    assert rows["compile `reduce-overhead`"][col] == "0.125 vs compile"
+    assert rows["eager"][col] == ""
+    assert rows["ours"][col - 1] == "0.0001"  # the vs-eager column stays
+    assert "- compile `reduce-overhead`: first Δ vs compile at step 2" in page
+    assert "(vs reference: 0 (bitwise))" in report.short_table({"settings": SETTINGS, "runs": runs})
+
+
+def test_floor_difference_lists_the_kernels_whose_time_per_step_differs_most():
+    kernels = {f"k{i}": 10.0 for i in range(10)}
+    ours = [{**kernels, "k0": 30.0, "k1": 11.0, "gemm|splitk": 5.0}, {**kernels, "k0": 50.0, "k1": 9.0}]
+    runs = [_run("compile_ours", 0, 8.0, floor=0.15, kernels_us_per_step=ours[0]),
+            _run("compile_ours", 1, 8.0, floor=0.16, kernels_us_per_step=ours[1]),
+            _run("compile_ro", 0, 10.0, floor=0.12, kernels_us_per_step={**kernels, "k2": 2.0, "ro_only": 7.0}),
+            _run("compile_ro", 1, 10.0, floor=0.12, kernels_us_per_step={**kernels, "k2": 2.0, "ro_only": 7.0})]
+    res = _one(runs)
+    assert res["variants"]["compile_ours"]["kernels_us"]["k0"] == 40.0  # median over rounds
+    assert res["variants"]["compile_ours"]["kernels_us"]["gemm|splitk"] == 2.5  # absent in a round: 0 there
+    fd = report.floor_diff(res, "compile_ours", "compile_ro")
+    assert fd["names"] == 12 and len(fd["kernels"]) == 8
+    assert [(k["name"], k["delta_us"]) for k in fd["kernels"][:4]] == [
+        ("k0", 30.0), ("k2", 8.0), ("ro_only", -7.0), ("gemm|splitk", 2.5)]
+    assert fd["kernels"][0]["us"] == 40.0 and fd["kernels"][0]["us_against"] == 10.0
+    assert report.floor_diff(res, "ours", "reference") is None  # neither ran: no section
+    lines = report.floor_diff_lines(res)
+    assert lines[0] == "### Floor difference, compile + ours against compile `reduce-overhead`"
+    assert "| `k0` | 40.0 | 10.0 | +30.0 |" in lines and "| `ro_only` | 0.0 | 7.0 | -7.0 |" in lines
+    assert "| `gemm\\|splitk` | 2.5 | 0.0 | +2.5 |" in lines
+    assert sum(line.startswith("| `") for line in lines) == 8
+    page = report.page_block({"settings": {**SETTINGS, "rounds": 2}, "env": {}, "ceiling": None, "runs": runs}, "x")
+    assert "### Floor difference, compile + ours against compile `reduce-overhead`" in page
+    assert "ours against eager, optimizer prepared" not in page
+    assert "Floor difference" not in report.readme_block({"settings": SETTINGS, "env": {}, "runs": runs})
+
+
 def test_mfu_counts_six_n_tokens_plus_causal_attention_over_the_datasheet_peak():
     w = WORKLOADS["llama1b-4x2048"]
     flops = model_flops_per_step(1_000_000_000, w.layers, w.hidden, w.batch, w.seq)
@@ -102,7 +169,11 @@ def test_page_and_readme_show_skipped_and_failed_runs_and_the_markers_are_replac
     assert "| compile + ours | failed: CaptureError: model.py:3: host-sync |" in page
     assert "measured bf16 matmul ceiling on this GPU: 731 TFLOP/s" in " ".join(page.split())
     assert max(len(line) for line in page.splitlines() if not line.startswith("|")) <= 120
-    assert "python -m benchmarks.harness --rounds 1" in page
+    assert "python -m benchmarks.harness --rounds 1" in page and "**Partial:**" not in page
+    partial = report.page_block({**data, "settings": {**data["settings"], "complete": False}}, "x")
+    assert max(len(line) for line in partial.splitlines() if not line.startswith("|")) <= 120
+    assert "**Partial:** 1 run(s) did not fit `--budget-s` and are marked skipped (0/llama156m-2x512/compile)" in " ".join(
+        partial.split())
     readme = report.readme_block(data)
     assert "| HF Llama 156 M, batch 2 × 512 | 40.00 | 12.00 | skipped | failed |" in readme
     (tmp_path / "README.md").write_text(f"# x\n{report.README_BEGIN}\nold table\n{report.README_END}\nrest\n")
@@ -131,6 +202,18 @@ def test_plan_keeps_a_workloads_round_on_one_lane_runs_nemo_on_gpt_only_and_skip
     assert [j["round"] for j in first] == sorted(j["round"] for j in first)  # round by round
 
 
+def test_the_prepared_references_are_planned_for_every_workload_and_estimated_as_their_unprepared_twins():
+    assert {"reference", "compile_reference"} <= set(DEFAULT_VARIANTS)
+    plan = runner.make_plan(list(WORKLOADS), DEFAULT_VARIANTS, 1, 1, SETTINGS)
+    for name, w in WORKLOADS.items():
+        vs = [j["variant"] for j in plan if j["kind"] == "variant" and j["workload"]["name"] == name]
+        assert vs == [v for v in VARIANTS if v in DEFAULT_VARIANTS and (w.nemo or v != "nemo")], name
+        est = {j["variant"]: j["est_s"] for j in plan if j["kind"] == "variant" and j["workload"]["name"] == name}
+        assert est["reference"] == est["eager"] and est["compile_reference"] == est["compile"]
+    assert VARIANTS["reference"].prepared and VARIANTS["compile_reference"].prepared
+    assert not VARIANTS["reference"].graphs and not VARIANTS["compile_reference"].graphs
+
+
 def test_resume_keeps_the_runs_done_and_refuses_other_settings(tmp_path):
     path = tmp_path / "step-time.json"
     runs = [_run("eager", 0, 40.0), {**_run("ours", 0, None, ok=False), "skipped": True},
@@ -156,22 +239,75 @@ def test_parameters_in_matmuls_leave_out_embedding_tables_but_count_a_tied_head_
     assert llama.get_output_embeddings().weight is not llama.get_input_embeddings().weight
 
 
+def test_the_prepared_variants_callback_prepares_the_optimizer_as_ours_on_cuda_and_leaves_it_on_a_cpu(monkeypatch):
+    """What tests/gpu's CapturableEager does: apply at train start, sync before every step; restored at the end."""
+    import types
+
+    import torch
+
+    from benchmarks.harness.child import make_prepared_eager
+    from nemo_cudagraph_plugin.core import optim
+
+    calls = []
+
+    class Prep:
+        def __init__(self, optimizer, device):
+            calls.append(("init", optimizer, device.type))
+
+        def apply(self):
+            calls.append("apply")
+
+        def sync_hyperparams(self):
+            calls.append("sync")
+
+        def restore(self):
+            calls.append("restore")
+
+    monkeypatch.setattr(optim, "OptimizerPrep", Prep)
+    opt = object()
+    trainer = types.SimpleNamespace(optimizers=[opt])
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0), modules=lambda: iter(()))
+    notes: list[str] = []
+    cb = make_prepared_eager(notes)
+    cb.on_train_start(trainer, gpu)
+    for i in range(2):
+        cb.on_train_batch_start(trainer, gpu, None, i)
+    cb.on_train_end(trainer, gpu)
+    assert calls == [("init", opt, "cuda"), "apply", "sync", "sync", "restore"] and notes == []
+    calls.clear()
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    cb = make_prepared_eager(notes)
+    cb.on_train_start(trainer, cpu)
+    cb.on_train_batch_start(trainer, cpu, None, 0)
+    cb.on_train_end(trainer, cpu)
+    assert calls == [] and len(notes) == 1 and "unprepared" in notes[0]
+
+
 def test_dry_run_trains_every_variant_through_the_parent_and_child_processes(tmp_path):
-    """The CPU smoke run: the Llama workload eagerly and compiled with the callback, each in its own process."""
+    """The CPU smoke run: the Llama workload eagerly, with the optimizer prepared (eager and compiled) and compiled
+    with the callback, each in its own process."""
     pytest.importorskip("transformers")
     out = tmp_path / "out"
+    variants = ["eager", "reference", "compile_reference", "compile_ours"]
     cmd = [sys.executable, "-m", "benchmarks.harness", "--dry-run", "--rounds", "1", "--workloads",
-           "llama156m-2x512", "--variants", "eager", "compile_ours", "--out", str(out)]
+           "llama156m-2x512", "--variants", *variants, "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads((out / "step-time.json").read_text())
-    assert [(r["variant"], r["ok"]) for r in data["runs"]] == [("eager", True), ("compile_ours", True)], \
+    assert [(r["variant"], r["ok"]) for r in data["runs"]] == [(v, True) for v in variants], \
         [r.get("error") for r in data["runs"]]
+    runs = {r["variant"]: r for r in data["runs"]}
     for r in data["runs"]:
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
         assert r["n_matmul_params"] < r["n_params"] and r["ms_per_step"] > 0
-    assert data["runs"][1]["stats"]["replays"] == 0  # on a CPU the callback trains eagerly
-    assert "DRY RUN on CPU" in (out / "step-time.page.md").read_text()
+        assert r["kernels_us_per_step"] and max(len(n) for n in r["kernels_us_per_step"]) <= 120
+    assert runs["compile_ours"]["stats"]["replays"] == 0  # on a CPU the callback trains eagerly
+    for v in ("reference", "compile_reference"):  # on a CPU capturable AdamW cannot step: trained unprepared
+        assert any("trains unprepared" in n for n in runs[v]["notes"]), runs[v]["notes"]
+    assert runs["reference"]["losses"] == runs["eager"]["losses"]
+    page = (out / "step-time.page.md").read_text()
+    assert "DRY RUN on CPU" in page and " vs compile, optimizer prepared |" in page  # compile + ours' reference
+    assert "| eager, optimizer prepared |" in page and "| compile, optimizer prepared |" in page
 
 
 def test_plan_prints_the_runs_and_runs_nothing_and_docs_are_never_written_from_a_dry_run(capsys):
@@ -180,6 +316,6 @@ def test_plan_prints_the_runs_and_runs_nothing_and_docs_are_never_written_from_a
     assert main(["--plan", "--gpus", "4", "--budget-s", "100", "--workloads", "llama1b-4x2048", "gpt-tiny"]) == 0
     out = capsys.readouterr().out
     assert "(matmul ceiling)" in out and "llama1b-4x2048" in out and "skipped: does not fit --budget-s" in out
-    assert out.splitlines()[-1].startswith("23 jobs, 0 done; estimated ")
+    assert out.splitlines()[-1].startswith("31 jobs, 0 done; estimated ")
     with pytest.raises(SystemExit, match="smoke run"):
         main(["--dry-run", "--write-docs"])

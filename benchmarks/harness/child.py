@@ -104,7 +104,8 @@ def make_probe(job: dict) -> Any:
 
 def kernel_profile(prof: Any, steps: int, cuda: bool) -> dict:
     """Summed device time per step of the profiled steps' device events (kernels, copies, memsets), their count,
-    and the ten largest kernels by name."""
+    the ten largest kernels by name, and every name's time per step (``kernels_us_per_step``, largest first; names
+    cut to 120 characters, the times of names that then coincide added up): the report's floor differences."""
     import torch
 
     total, count = 0.0, 0
@@ -117,9 +118,56 @@ def kernel_profile(prof: Any, steps: int, cuda: bool) -> dict:
         count += 1
         by_name[e.name] = by_name.get(e.name, 0.0) + us
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    every: dict[str, float] = {}
+    for n, us in by_name.items():
+        every[n[:120]] = every.get(n[:120], 0.0) + us / steps
     return {"floor_ms": total / steps / 1e3, "device_events_per_step": count / steps, "profile_steps": steps,
             "profile_activity": "CUDA" if cuda else "CPU",
-            "top_kernels": [{"name": n[:120], "us_per_step": us / steps} for n, us in top]}
+            "top_kernels": [{"name": n[:120], "us_per_step": us / steps} for n, us in top],
+            "kernels_us_per_step": {n: round(us, 4) for n, us in sorted(every.items(), key=lambda kv: -kv[1])}}
+
+
+def make_prepared_eager(notes: list[str]) -> Any:
+    """The Lightning callback of the ``prepared`` variants: at train start the optimizer prepared as
+    ``CudaGraphCallback()`` prepares it (``OptimizerPrep``: capturable AdamW, the learning rate a device tensor) and
+    Hugging Face models switched to the graph-safe SDPA mask as it switches them (the harness's batches carry no
+    attention mask: the same kernels either way); the hyperparameters synced before every step as before a replay;
+    both undone at the end; no graphs. The step then runs the kernels a replay of ours runs, so their losses must
+    agree bitwise.
+
+    Without CUDA it leaves the optimizer as built (a note says so): capturable AdamW refuses CPU parameters
+    (``OptimizerPrep.apply`` accepts them, the first ``step`` raises)."""
+    import lightning.pytorch as pl
+
+    from nemo_cudagraph_plugin.core.optim import OptimizerPrep
+    from nemo_cudagraph_plugin.hf import graph_safe_attention, restore_attention
+
+    class PreparedEager(pl.Callback):
+        def __init__(self) -> None:
+            self.prep: Optional[OptimizerPrep] = None
+            self.switched: list[str] = []
+
+        def on_train_start(self, trainer, pl_module):
+            if pl_module.device.type != "cuda":
+                notes.append("CPU: the optimizer trains unprepared (capturable AdamW needs CUDA parameters)")
+                return
+            self.switched = graph_safe_attention(pl_module)
+            self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device)
+            self.prep.apply()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.prep is not None:
+                self.prep.sync_hyperparams()  # what ours does before each replay
+
+        def on_train_end(self, trainer, pl_module):
+            if self.prep is not None:
+                self.prep.restore()
+                self.prep = None
+            if self.switched:
+                restore_attention(pl_module, self.switched)
+                self.switched = []
+
+    return PreparedEager()
 
 
 def env_info(cuda: bool) -> dict:
@@ -173,6 +221,8 @@ def run_variant(job: dict) -> dict:
         callbacks.append(CudaGraphCallback(nan_guard=v.name != "ours_noguard"))
         if not cuda:
             out["notes"].append("CPU: the callback trains eagerly (no CUDA)")
+    if v.prepared:
+        callbacks.append(make_prepared_eager(out["notes"]))
     if v.nemo:
         from .nemo_reference import load_cuda_graph_module
 

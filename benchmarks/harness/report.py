@@ -2,9 +2,12 @@
 
 Input: the records the children write (:mod:`benchmarks.harness.child`), one per workload, variant and round, plus
 the matmul-ceiling record. Output: per workload and variant the ms/step (median over rounds and every round), the
-ratio to a baseline variant within each round, max |Δloss| against the eager reference of the same round (compiled
-variants also against compiled eager), peak memory and its ratio to the same run without our graphs, MFU and the
-kernel floor; the goals of the table reported met or missed (never asserted); the page's and the README's markdown.
+ratio to a baseline variant within each round, max |Δloss| against eager of the same round and against the row's own
+loss reference of the same round (``Variant.loss_reference``: for ours the run without graphs whose optimizer is
+prepared as ours prepares it, so the same kernels run and the losses must agree bitwise), peak memory and its ratio to
+the same run without our graphs, MFU and the kernel floor, and which kernels make the floor of compile + ours differ
+from ``reduce-overhead``'s (and ours' from its reference's); the goals of the table reported met or missed (never
+asserted); the page's and the README's markdown.
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ def _loss_vs(runs: list[dict], ref_runs: dict[int, dict]) -> tuple[Optional[floa
     return (max(per) if per else None), (min(fs) if fs else None), per
 
 
+def kernels_median(runs: list[dict]) -> Optional[dict[str, float]]:
+    """Per kernel name, the median over ``runs`` of its time per step (a name a run's profile lacks: 0 there);
+    None when no run kept every kernel's time."""
+    profs = [r["kernels_us_per_step"] for r in runs if r.get("kernels_us_per_step")]
+    if not profs:
+        return None
+    names = {n for k in profs for n in k}
+    return {n: statistics.median(k.get(n, 0.0) for k in profs) for n in names}
+
+
 def aggregate(runs: list[dict], baseline: str = "compile_ro") -> list[dict]:
     """Per-workload results, workloads and variants in table order."""
     by_w: dict[str, list[dict]] = {}
@@ -93,6 +106,8 @@ def aggregate(runs: list[dict], baseline: str = "compile_ro") -> list[dict]:
             stats = [r["stats"] for r in ok if r.get("stats")]
             peak = max((r["peak_mem_bytes"] for r in ok if r.get("peak_mem_bytes")), default=None)
             d_eager, first_eager, d_eager_rounds = _loss_vs(ok, ok_by_round.get(EAGER, {}))
+            loss_ref = VARIANTS[v].loss_reference
+            d_ref, first_ref, d_ref_rounds = _loss_vs(ok, ok_by_round.get(loss_ref, {})) if loss_ref else (None,) * 3
             self_d = [max_abs_diff(a.get("losses"), b.get("losses"))[0] for i, a in enumerate(ok) for b in ok[i + 1:]]
             row: dict[str, Any] = {
                 "label": VARIANTS[v].label, "rounds": len(rs), "ok_rounds": len(ok),
@@ -106,6 +121,8 @@ def aggregate(runs: list[dict], baseline: str = "compile_ro") -> list[dict]:
                 "device_events_per_step": median(r.get("device_events_per_step") for r in ok),
                 "max_dloss_eager": 0.0 if v == EAGER and ok else d_eager, "first_diff_step": first_eager,
                 "dloss_eager_rounds": d_eager_rounds,
+                "loss_reference": loss_ref, "max_dloss_ref": d_ref, "first_diff_ref": first_ref,
+                "dloss_ref_rounds": d_ref_rounds or [],
                 "self_noise": max((d for d in self_d if d is not None), default=None),
                 "peak_gib": peak / GIB if peak else None,
                 "peak_over_eager": median(s.get("peak_over_eager") for s in stats),
@@ -114,6 +131,7 @@ def aggregate(runs: list[dict], baseline: str = "compile_ro") -> list[dict]:
                 "notes": sorted({n for r in rs for n in r.get("notes", [])}),
                 "loss_aliased": any(r.get("loss_aliased") for r in ok),
                 "final_loss": next((r["losses"][-1] for r in reversed(ok) if r.get("losses")), None),
+                "kernels_us": kernels_median(ok),
             }
             if VARIANTS[v].compile is not None:
                 d, f, per = _loss_vs(ok, ok_by_round.get(COMPILED_EAGER, {}))
@@ -148,9 +166,14 @@ GOALS: dict[str, tuple[str, str, str, str, float]] = {
     "compile + ours / reduce-overhead, GPU-bound": ("gpu", "compile_ours", "vs_ro", "<=", 0.98),
     "peak memory, ours / eager": ("any", "ours", "peak_over_reference", "<=", 1.05),
     "peak memory, compile + ours / compile": ("any", "compile_ours", "peak_over_reference", "<=", 1.05),
-    "max |Δloss|, compile + ours against compile": ("any", "compile_ours", "max_dloss_compile", "<=", 0.0),
-    "max |Δloss|, ours against eager": ("any", "ours", "max_dloss_eager", "<=", 0.0),
+    "max |Δloss|, compile + ours against compile, optimizer prepared": ("any", "compile_ours", "max_dloss_ref", "<=",
+                                                                        0.0),
+    "max |Δloss|, ours against eager, optimizer prepared": ("any", "ours", "max_dloss_ref", "<=", 0.0),
 }
+
+#: (variant, against): the floor differences the page lists per workload, where both ran with a kernel profile
+FLOOR_PAIRS = [("compile_ours", "compile_ro"), ("ours", "reference")]
+FLOOR_TOP = 8
 
 
 def _vs_ro(res: dict, v: str) -> Optional[float]:
@@ -191,6 +214,13 @@ def _dloss(d: Optional[float]) -> str:
     return "0 (bitwise)" if d == 0 else f"{d:.3g}"
 
 
+def _dloss_ref(row: dict) -> str:
+    """The cell of max |Δloss| against the row's own loss reference, naming it."""
+    if row["loss_reference"] is None:
+        return ""
+    return f"{_dloss(row['max_dloss_ref'])} vs {VARIANTS[row['loss_reference']].label}"
+
+
 def _state(row: dict) -> Optional[str]:
     """Why a row has no timing: skipped or failed; None when it has one."""
     if row["ms_per_step"] is not None:
@@ -226,12 +256,18 @@ def setup_lines(data: dict) -> list[str]:
         f"- **MFU:** model FLOPs per step ({FLOPS_FORMULA}) over the H200's dense bf16 peak, {PEAK_BF16_TFLOPS} "
         f"TFLOP/s (datasheet){ceil}.",
         "- **Kernel floor:** the summed device time (kernels, copies, memsets) of one step of the variant's own "
-        "kernels, from `torch.profiler` over the run's last steps; no schedule of those kernels beats it.",
+        "kernels, from `torch.profiler` over the run's last steps; no schedule of those kernels beats it. Floor "
+        "differences: per kernel name (cut to 120 characters) the time per step of each side; inductor numbers its "
+        "kernels per compile, so one fused kernel may carry other names in two compiled runs.",
         "- **Peak memory:** `torch.cuda.max_memory_allocated()` of the run; '/ without graphs': over the same run "
         "without CUDA graphs (ours and NeMo's over eager, compile + ours and `reduce-overhead` over compile); "
         "`peak_over_eager`: the plugin's own figure, the graphed run's peak over its eager warm-up's.",
         "- **Δloss:** max |loss − reference| over every step, against the reference's run in the same round: eager "
-        "Lightning, and for compiled variants also `torch.compile` without graphs.",
+        "Lightning, and each row's own reference, named in the cell: for ours (and NeMo's) eager with the optimizer "
+        "prepared as ours prepares it (`OptimizerPrep`: capturable AdamW, whose bias correction runs on the device, "
+        "and the learning rate a device tensor), for compile + ours `torch.compile` with that optimizer, for "
+        "`reduce-overhead` `torch.compile`. A row and its reference run the same kernels: 0 (bitwise) expected, "
+        "except NeMo's (its learning rate stays a float).",
     ]
 
 
@@ -251,7 +287,8 @@ def workload_table(res: dict) -> list[str]:
             f"{res['tokens']:,} tokens per step, {_f(res['flops_per_step'] and res['flops_per_step'] / 1e12, '.3f')} "
             f"TFLOP per step; {res['why']}.", "",
             f"| variant | ms/step | rounds (ms) | / {base_label} (per round) | MFU | kernel floor (ms) | / floor "
-            "| max \\|Δloss\\| vs eager | vs compile | peak GiB | / without graphs | `peak_over_eager` | replays |",
+            "| max \\|Δloss\\| vs eager | vs its reference | peak GiB | / without graphs | `peak_over_eager` "
+            "| replays |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = list(head)
     for _v, row in res["variants"].items():
@@ -264,7 +301,7 @@ def workload_table(res: dict) -> list[str]:
         lines.append(
             f"| {row['label']} | {row['ms_per_step']:.2f} | {rounds} | {ratio} | {_f(row['mfu'] and 100 * row['mfu'], '.1f')} % | "
             f"{_f(row['floor_ms'], '.2f')} | {_f(row['over_floor'], '.3f')} | {_dloss(row['max_dloss_eager'])} | "
-            f"{_dloss(row.get('max_dloss_compile')) if 'max_dloss_compile' in row else ''} | "
+            f"{_dloss_ref(row)} | "
             f"{_f(row['peak_gib'], '.2f')} | {_f(row['peak_over_reference'], '.3f')} | "
             f"{_f(row['peak_over_eager'], '.3f')} | {_f(row['replays'], '.0f')} |")
     lines.append("")
@@ -272,10 +309,47 @@ def workload_table(res: dict) -> list[str]:
         if row["self_noise"] is not None and row["ok_rounds"] > 1:
             lines.append(f"- {row['label']}: against itself across rounds max |Δloss| {_dloss(row['self_noise'])}"
                          f"{'; first Δ vs eager at step ' + str(row['first_diff_step']) if row['first_diff_step'] is not None else ''}")
+        if row["first_diff_ref"] is not None:
+            lines.append(f"- {row['label']}: first Δ vs {VARIANTS[row['loss_reference']].label} at step "
+                         f"{row['first_diff_ref']}")
         lines += [f"- {row['label']}: {n}" for n in row["notes"]]
         if row["loss_aliased"]:
             lines.append(f"- {row['label']}: the loss Lightning returned aliased an earlier step's (copied per step)")
     return lines + [""]
+
+
+def floor_diff(res: dict, v: str, against: str, top: int = FLOOR_TOP) -> Optional[dict]:
+    """The kernels whose time per step differs most between two variants of a workload (median over rounds of each
+    name's time), ``top`` of them by |Δ|; None unless both kept every kernel's time."""
+    a, b = res["variants"].get(v), res["variants"].get(against)
+    if not a or not b or not a.get("kernels_us") or not b.get("kernels_us"):
+        return None
+    ka, kb = a["kernels_us"], b["kernels_us"]
+    rows = [(n, ka.get(n, 0.0), kb.get(n, 0.0)) for n in set(ka) | set(kb)]
+    rows.sort(key=lambda t: (-abs(t[1] - t[2]), t[0]))
+    return {"variant": v, "against": against, "sum_us": (sum(ka.values()), sum(kb.values())), "names": len(rows),
+            "kernels": [{"name": n, "us": x, "us_against": y, "delta_us": x - y} for n, x, y in rows[:top]]}
+
+
+def floor_diff_lines(res: dict) -> list[str]:
+    """The page's floor-difference section of one workload (nothing where no pair ran with a kernel profile)."""
+    lines: list[str] = []
+    for v, against in FLOOR_PAIRS:
+        fd = floor_diff(res, v, against)
+        if fd is None:
+            continue
+        la, lb = VARIANTS[v].label, VARIANTS[against].label
+        (sa, sb), n = fd["sum_us"], fd["names"]
+        lines += [f"### Floor difference, {la} against {lb}", "",
+                  f"Device time per step (median over rounds per kernel name): {sa / 1e3:.3f} ms against "
+                  f"{sb / 1e3:.3f} ms, Δ {(sa - sb) / 1e3:+.3f} ms over {n} kernel names; the {len(fd['kernels'])} "
+                  "largest |Δ|:", "",
+                  f"| kernel | {la} (µs/step) | {lb} (µs/step) | Δ (µs/step) |", "|---|---|---|---|"]
+        for k in fd["kernels"]:
+            name = k["name"].replace("|", "\\|").replace("`", "'")
+            lines.append(f"| `{name}` | {k['us']:.1f} | {k['us_against']:.1f} | {k['delta_us']:+.1f} |")
+        lines.append("")
+    return lines
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
@@ -296,9 +370,15 @@ def page_block(data: dict, command: str) -> str:
         lines += ["**DRY RUN on CPU**: every variant trained eagerly for three steps; no figure here is a measurement.",
                   ""]
     if not data["settings"].get("complete", True):
-        lines += ["**INCOMPLETE**: written while the run was going, or it was stopped.", ""]
+        skipped = [r["key"] for r in data["runs"] if r.get("skipped")]
+        if skipped:
+            lines += [wrap(f"**Partial:** {len(skipped)} run(s) did not fit `--budget-s` and are marked skipped "
+                           f"({', '.join(skipped)}); `--resume` with this page's `step-time.json` runs them."), ""]
+        else:
+            lines += ["**INCOMPLETE**: written while the run was going, or it was stopped.", ""]
     for res in results:
         lines += workload_table(res)
+        lines += floor_diff_lines(res)
     lines += ["## Goals (measured, not asserted)", "", *goal_lines(goals(results)), ""]
     return "\n".join(x if x.startswith(("|", "#")) or "\n" in x else wrap(x, bullet=x.startswith("- "))
                      for x in lines)
@@ -334,7 +414,8 @@ def readme_block(data: dict) -> str:
                      f"{_f(best and 100 * best, '.1f')} % | {' / '.join(f'{p:.2f}' for p in peaks) or '–'} |")
     if s.get("dry_run"):
         lines.insert(0, "**DRY RUN on CPU**: tiny shapes, three eager steps; no figure here is a measurement.\n")
-    lines += ["", wrap("Losses against eager, kernel floors, per-round figures and the command that regenerates "
+    lines += ["", wrap("Losses against eager and against each variant's reference without graphs, kernel floors "
+                       "and the kernels that make them differ, per-round figures and the command that regenerates "
                        "this: [docs/results/step-time.md](docs/results/step-time.md).")]
     return "\n".join(lines)
 
@@ -361,5 +442,8 @@ def short_table(data: dict) -> str:
                 continue
             out.append(f"  {row['label']:28s} {row['ms_per_step']:9.3f} ms  x{_f(row['ratio'], '.3f')}  MFU "
                        f"{_f(row['mfu'] and 100 * row['mfu'], '.1f')} %  floor {_f(row['floor_ms'], '.3f')} ms  "
-                       f"|dloss| {_dloss(row['max_dloss_eager'])}  peak {_f(row['peak_gib'], '.2f')} GiB")
+                       f"|dloss| {_dloss(row['max_dloss_eager'])}"
+                       + (f" (vs {row['loss_reference']}: {_dloss(row['max_dloss_ref'])})" if row["loss_reference"]
+                          else "")
+                       + f"  peak {_f(row['peak_gib'], '.2f')} GiB")
     return "\n".join(out)

@@ -9,7 +9,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class Variant:
     """``compile``: the ``torch.compile`` mode applied to the model in ``configure_model`` (None: not compiled);
-    ``ours``: ``CudaGraphCallback()`` attached; ``nemo``: NeMo 3.0.0's ``CUDAGraphCallback`` from its wheel."""
+    ``ours``: ``CudaGraphCallback()`` attached; ``nemo``: NeMo 3.0.0's ``CUDAGraphCallback`` from its wheel;
+    ``prepared``: no graphs, the optimizer prepared as ours prepares it (``OptimizerPrep``: capturable AdamW, the
+    learning rate a device tensor), so the run executes the kernels a graph replay of ours executes."""
 
     name: str
     label: str
@@ -17,8 +19,11 @@ class Variant:
     compile: Optional[str] = None
     ours: bool = False
     nemo: bool = False
+    prepared: bool = False
     #: the same run without CUDA graphs: the reference of this variant's peak memory
     reference: str = "eager"
+    #: the run whose losses this variant's must equal (the same kernels, no graphs); None: it is the reference
+    loss_reference: Optional[str] = None
 
     @property
     def graphs(self) -> bool:
@@ -28,22 +33,34 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("eager", "eager", "Lightning, no graphs: the reference for the losses"),
-    Variant("ours", "ours", "`CudaGraphCallback()`", ours=True),
+    Variant("reference", "eager, optimizer prepared",
+            "eager, optimizer prepared as ours: Lightning without graphs, the optimizer prepared by "
+            "`OptimizerPrep` (what `CudaGraphCallback()` does to it) at train start and its hyperparameters synced "
+            "before every step: ours' losses must equal these bitwise", prepared=True, loss_reference="eager"),
+    Variant("ours", "ours", "`CudaGraphCallback()`", ours=True, loss_reference="reference"),
     Variant("ours_noguard", "ours, NaN guard off", "`CudaGraphCallback(nan_guard=False)`: what the guard costs",
-            ours=True),
-    Variant("compile", "compile", "`torch.compile(model)` (mode `default`) in `configure_model`", compile="default"),
+            ours=True, loss_reference="reference"),
+    Variant("compile", "compile", "`torch.compile(model)` (mode `default`) in `configure_model`", compile="default",
+            loss_reference="eager"),
+    Variant("compile_reference", "compile, optimizer prepared",
+            "`torch.compile(model)` (mode `default`), the optimizer prepared as ours, no graphs: compile + ours' "
+            "losses must equal these bitwise", compile="default", prepared=True, reference="compile",
+            loss_reference="compile"),
     Variant("compile_ro", "compile `reduce-overhead`",
             "`torch.compile(model, mode='reduce-overhead')`: torch's own CUDA graphs (cudagraph trees)",
-            compile="reduce-overhead", reference="compile"),
+            compile="reduce-overhead", reference="compile", loss_reference="compile"),
     Variant("compile_ours", "compile + ours", "`torch.compile(model)` (mode `default`) + `CudaGraphCallback()`",
-            compile="default", ours=True, reference="compile"),
+            compile="default", ours=True, reference="compile", loss_reference="compile_reference"),
     Variant("nemo", "NeMo 3.0.0 callback",
             "NeMo 3.0.0's `CUDAGraphCallback(capture_iteration=12)` from its wheel, optimizer built with "
-            "`capturable=True` (NeMo needs it and does not set it)", nemo=True),
+            "`capturable=True` (NeMo needs it and does not set it; its learning rate stays a float): its loss "
+            "reference is eager with the optimizer prepared as ours, the nearest run without graphs", nemo=True,
+            loss_reference="reference"),
 )}
 
 #: the table's variants; ``ours_noguard`` runs when asked for (``--variants``)
-DEFAULT_VARIANTS = ["eager", "ours", "compile", "compile_ro", "compile_ours", "nemo"]
+DEFAULT_VARIANTS = ["eager", "reference", "ours", "compile", "compile_reference", "compile_ro", "compile_ours",
+                    "nemo"]
 EAGER, COMPILED_EAGER = "eager", "compile"
 NEMO_CAPTURE_ITERATION = 12
 
