@@ -48,6 +48,8 @@ OPTIM = "nemo_cudagraph_plugin/core/optim.py"
 NAN = "nemo_cudagraph_plugin/core/nan_guard.py"
 FINITE = "nemo_cudagraph_plugin/core/finite.py"
 NODES = "nemo_cudagraph_plugin/core/_cuda_nodes.py"
+ADAM = "nemo_cudagraph_plugin/core/adam_step.py"
+AS = "tests/test_adam_step.py::"
 LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
 GPU = "tests/gpu/test_can_fail_gpu.py::"
@@ -1014,6 +1016,40 @@ MUTANTS: list[Mutant] = [
            "        if loop.__dict__.get(\"output_result_cls\") is _UndividedClosureResult:\n            pass",
            (LT + "test_the_loss_is_not_divided_by_one_inside_the_step_and_training_equals_eager[1]",),
            "the trainer's loop keeps the runner's result class after fit"),
+    # -- fast_adam: the capturable Adam update with one bias-correction scalar per group -------------------------------
+    Mutant("fast-adam-skips-eps", "cpu", ADAM,
+           "    torch._foreach_add_(denom, eps)\n",
+           "",
+           (AS + "test_the_group_scalar_update_is_torchs_capturable_step_bit_for_bit[adamw]",
+            LT + "test_fast_adam_captures_the_group_scalar_update_and_trains_as_eager_bit_for_bit[same-counters]"),
+           "the group-scalar update leaves eps out of the denominator"),
+    Mutant("fast-adam-trusts-unequal-counters", "cpu", ADAM,
+           "                equal = i < len(self._equal) and self._equal[i]",
+           "                equal = True",
+           (AS + "test_a_group_whose_counters_differ_is_updated_by_torch_and_stays_exact",
+            LT + "test_fast_adam_captures_the_group_scalar_update_and_trains_as_eager_bit_for_bit[late-parameter]"),
+           "a group whose parameters took different numbers of steps gets the first one's bias corrections"),
+    Mutant("fast-adam-ignores-new-states", "cpu", ADAM,
+           "new in (0, len(stepping))",
+           "True",
+           (AS + "test_a_step_that_creates_some_states_of_a_group_but_not_all_is_left_to_torch",),
+           "a step that creates some parameters' state gives them the group's (older) bias corrections"),
+    Mutant("fast-adam-divides-per-parameter", "cpu", ADAM,
+           "    torch._foreach_div_(denom, bias_correction2_sqrt)",
+           "    torch._foreach_div_(denom, [bias_correction2_sqrt] * len(denom))",
+           (AS + "test_it_divides_the_moments_by_one_tensor_per_group_where_torch_divides_by_one_per_parameter",),
+           "the group-scalar update divides by a list of 0-d tensors again (one kernel per parameter on CUDA)"),
+    Mutant("fast-adam-drops-scheduler-wrapper", "cpu", ADAM,
+           "            if own is _ABSENT:\n                opt.__dict__.pop(\"step\", None)\n            else:\n"
+           "                opt.step = own",
+           "            opt.__dict__.pop(\"step\", None)",
+           (LT + "test_fast_adam_with_an_lr_scheduler_trains_as_eager_and_gives_the_scheduler_its_step_wrapper_back",),
+           "after a capture the optimizer loses the step wrapper its LR scheduler put on it"),
+    Mutant("fast-adam-not-installed", "cpu", RUNNER,
+           "            self._contexts.append(self.fast_adam.during_capture)\n",
+           "",
+           (LT + "test_fast_adam_captures_the_group_scalar_update_and_trains_as_eager_bit_for_bit[same-counters]",),
+           "fast_adam=True captures torch's own step"),
     # -- the step-time harness's report: the figures of the results table -----------------------------
     Mutant("report-pairs-rounds-by-position", "cpu", "benchmarks/harness/report.py",
            "            ratio_rounds = [ok_by_round[v][k][\"ms_per_step\"] / ok_by_round[base][k][\"ms_per_step\"]\n"

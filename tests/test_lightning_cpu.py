@@ -50,7 +50,7 @@ class TinyGPT(GPTLightningModule):
 
     def __init__(self, sched=None, late_param=False, extra_for_long=0, poison_param=None, python_logs=False,
                  baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False, poison_inf=False,
-                 compile_kw=None):
+                 compile_kw=None, foreach_adam=False):
         super().__init__(CFG.replace(dropout=dropout), lr=LR)
         self.sched = sched
         # a parameter that first gets a gradient at batch 2 (the last warm-up step), and one that never gets one:
@@ -68,6 +68,7 @@ class TinyGPT(GPTLightningModule):
         self.trainable_only = trainable_only  # the optimizer gets the parameters that require a gradient only
         self.calls = 0
         self.compile_kw = compile_kw  # torch.compile's keywords for the GPT body, applied in configure_model
+        self.foreach_adam = foreach_adam  # torch's multi-tensor capturable AdamW instead of the fused one
 
     def configure_model(self):
         if self.compile_kw is not None and not hasattr(self.model, "_orig_mod"):
@@ -113,8 +114,9 @@ class TinyGPT(GPTLightningModule):
         params = [p for p in self.parameters() if p.requires_grad or not self.trainable_only]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
+        kernel = {"foreach": True, "capturable": True} if self.foreach_adam else {"fused": True}
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=LR, betas=(0.9, 0.95), fused=True)
+                                lr=LR, betas=(0.9, 0.95), **kernel)
         if self.sched is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.sched(opt), "interval": "step"}}
@@ -177,14 +179,14 @@ class Run:
 
 
 def fit(graphed=True, module_kw=None, cb_kw=None, callbacks=(), steps=12, n_batches=None, lengths=(32,),
-        poison_at=None, val_batches=0, **trainer_kw):
+        poison_at=None, val_batches=0, tape_kw=None, **trainer_kw):
     pl.seed_everything(0, verbose=False)
     module = TinyGPT(**(module_kw or {}))
     cbs = list(callbacks)
     cb = None
     if graphed:
         cb = CudaGraphCallback(**(cb_kw or {}))
-        cb.step_runner.backend = TapeBackend()
+        cb.step_runner.backend = TapeBackend(**(tape_kw or {}))
         cbs.insert(0, cb)
     rec = Rec()
     # max_epochs: the data is one epoch of `steps`; a break that stops global_step must end the fit, not hang it
@@ -1149,3 +1151,53 @@ def test_undivided_closure_result_is_lightnings_own_except_the_division_by_one()
 
     loop = type("Loop", (), {"output_result_cls": Custom})()
     assert _compat.undivided_loss(loop) is None and loop.output_result_cls is Custom
+
+
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """torch's multi-tensor capturable Adam refuses CPU parameters (a device check only): lift it for these tests."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("torch.optim.adam"), "_get_capturable_supported_devices",
+                        lambda supports_xla=True: ["cuda", "cpu"])
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["same-counters", "late-parameter"])
+def test_fast_adam_captures_the_group_scalar_update_and_trains_as_eager_bit_for_bit(capturable_on_cpu, late):
+    kw = {"foreach_adam": True, "late_param": late}
+    eager = fit(graphed=False, module_kw=kw)
+    # torch's capturable step adds a host-made 1.0 to CPU step counters (on CUDA they are device tensors): neither
+    # the sync-checked warm-up nor a strict tape would take that on CPU
+    # verify_steps: the first graphed steps are also run eagerly (torch's own step) and compared bit for bit
+    graphed = fit(module_kw=kw, cb_kw={"fast_adam": True, "sync_check": False, "verify_steps": 2},
+                  tape_kw={"sync_in_capture": "bake"})
+    assert graphed.stats.replays > 0 and graphed.stats.fast_adam_unused == "" and graphed.stats.verified_steps == 2
+    fast = graphed.cb.step_runner.fast_adam
+    if late:
+        # the late parameter's counter is one behind its group's from the capture on: that group stays torch's
+        assert fast.torch_groups >= 1 and fast.counted_groups >= 1
+    else:
+        assert fast.torch_groups == 0 and fast.counted_groups == 2 * graphed.stats.captures
+    assert graphed.rec.losses == eager.rec.losses
+    for a, b in zip(eager.params, graphed.params):
+        assert torch.equal(a, b)
+    assert "step" not in graphed.trainer.optimizers[0].__dict__
+
+
+def test_fast_adam_with_an_lr_scheduler_trains_as_eager_and_gives_the_scheduler_its_step_wrapper_back(
+        capturable_on_cpu):
+    kw = {"foreach_adam": True, "sched": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** min(s, 5))}
+    eager = fit(graphed=False, module_kw=kw)
+    graphed = fit(module_kw=kw, cb_kw={"fast_adam": True, "sync_check": False}, tape_kw={"sync_in_capture": "bake"})
+    assert graphed.cb.step_runner.fast_adam.counted_groups > 0
+    assert graphed.rec.losses == eager.rec.losses and graphed.rec.lrs == eager.rec.lrs
+    # the scheduler tracks optimizer.step() calls through a wrapper on the instance: still there after the captures
+    assert hasattr(graphed.trainer.optimizers[0].__dict__.get("step"), "_wrapped_by_lr_sched")
+
+
+def test_fast_adam_on_a_fused_adamw_says_why_it_keeps_the_optimizers_step(caplog):
+    with caplog.at_level("INFO"):
+        run = fit(cb_kw={"fast_adam": True})
+    assert run.stats.replays > 0 and run.cb.step_runner.fast_adam.counted_groups == 0
+    assert "param group 0 is not capturable multi-tensor Adam (fused)" in run.stats.fast_adam_unused
+    assert "fast_adam unused: param group 0" in run.stats.summary()

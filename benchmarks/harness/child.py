@@ -218,7 +218,7 @@ def run_variant(job: dict) -> dict:
     if v.ours:
         from nemo_cudagraph_plugin import CudaGraphCallback
 
-        callbacks.append(CudaGraphCallback(nan_guard=v.name != "ours_noguard"))
+        callbacks.append(CudaGraphCallback(**dict(v.options)))
         if not cuda:
             out["notes"].append("CPU: the callback trains eagerly (no CUDA)")
     if v.prepared:

@@ -24,6 +24,10 @@ __all__ = [
     "set_found_inf",
     "clear_found_inf",
     "compiled_with_cuda_graphs",
+    "ADAM_STEP_SHAPE",
+    "adam_functional",
+    "adam_init_group",
+    "adam_step_is_torchs",
 ]
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -88,3 +92,40 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
             return name
     return None
 
+
+
+# torch versions whose ``Adam.step``, ``Adam._init_group`` and capturable multi-tensor update
+# (``torch/optim/adam.py``: ``_multi_tensor_adam``) have the shape ``core/adam_step.py`` mirrors: the same
+# operations in the same order, read from the sources of 2.11 (the GPU host) and 2.13 (CI) (2.12 lies between).
+ADAM_STEP_SHAPE = (Version("2.11.0"), Version("2.13.99"))
+
+
+def adam_step_is_torchs(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s class runs torch's own ``Adam.step`` (``AdamW`` inherits it; a subclass may not)."""
+    import inspect
+
+    mine = inspect.unwrap(type(optimizer).step)  # torch wraps ``step`` with its hook runner per class
+    return mine is inspect.unwrap(torch.optim.Adam.step)
+
+
+def adam_init_group(optimizer: Any, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+                    max_exp_avg_sqs: list, state_steps: list) -> bool:
+    """torch's ``Adam._init_group``: fills the lists for the parameters that have a gradient, creating their state
+    on their first step; returns whether any is complex."""
+    return optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+
+
+def adam_functional(optimizer: Any, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+                    max_exp_avg_sqs: list, state_steps: list, has_complex: bool) -> None:
+    """torch's update of one param group, called exactly as ``Adam.step`` calls it."""
+    from torch.optim.adam import adam
+
+    beta1, beta2 = group["betas"]
+    adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+        amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"],
+        capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
+        grad_scale=getattr(optimizer, "grad_scale", None), found_inf=getattr(optimizer, "found_inf", None),
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+    )

@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from ..core.adam_step import GroupScalarAdam
 from ..core.adapter import Guard
 from ..core.backend import GraphBackend
 from ..core.config import CaptureConfig, CaptureStats
@@ -86,6 +87,7 @@ class LightningStepRunner:
         self.backend = backend
         self.engine: Optional[CaptureEngine] = None
         self.prep: Optional[OptimizerPrep] = None
+        self.fast_adam: Optional[GroupScalarAdam] = None
         #: the NaN guard and its policy (None: nan_guard=False and nothing skipped)
         self.nan: Optional[NanPolicy] = None
         self.logs: Optional[StepLogs] = None
@@ -200,6 +202,13 @@ class LightningStepRunner:
         self._checks = [lambda: _refuse_group_writes(watch)]
         self.engine = CaptureEngine(self.config, pl_module.device, named, self, generators=self.generators,
                                     stats=self.stats, backend=self.backend)
+        if self.config.fast_adam:
+            self.fast_adam = GroupScalarAdam(optimizer, self.engine.backend.device_type)
+            self._contexts.append(self.fast_adam.during_capture)
+            if self.fast_adam.reason is not None:
+                self.stats.fast_adam_unused = self.fast_adam.reason
+                rank_zero_info(f"{self.owner}(fast_adam=True): the optimizer's own step is captured: "
+                               f"{self.fast_adam.reason}")
         self._install(optimizer, pl_module)
 
     # ------------------------------------------------------------------------------------------
@@ -363,6 +372,8 @@ class LightningStepRunner:
         """Right after a capture (the engine's adapter)."""
         if self.guard is not None:
             self.guard.after_capture()  # before the first replay
+        if self.fast_adam is not None:
+            self.stats.fast_adam_unused = self.fast_adam.reason or ""
         entry.meta["progress"] = self._last_delta
         # Every output is copied into fresh memory after each replay, in one launch: the loss (a user may keep
         # it) and the logged values, which Lightning then keeps without a copy of its own (StepLogs.emit).

@@ -28,6 +28,78 @@ def _eager(steps=STEPS, module_kw=None, capturable=True, **kw):
     return fit(make_module(**(module_kw or {})), cbs, steps, **kw)
 
 
+def test_fast_adam_trains_as_torchs_capturable_adamw_bit_for_bit():
+    # verify_steps: the first graphed steps also run torch's own step eagerly, compared bit for bit (ParityError)
+    cb, _, g = _graphed(cb_kw={"fast_adam": True, "verify_steps": 3})
+    _, e = _eager()
+    assert cb.stats.verified_steps == 3
+    fast = cb.step_runner.fast_adam
+    assert cb.stats.fast_adam_unused == "" and fast.counted_groups == 2 * cb.stats.captures and not fast.torch_groups
+    assert cb.stats.replays >= STEPS - 5, cb.stats.summary()
+    gl, el = g.loss_tensor(), e.loss_tensor()
+    assert torch.equal(gl, el), f"fast_adam graph vs eager(capturable) max rel diff {max_rel(gl, el):.3e}"
+
+
+def _adam_pair(shapes, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    base = [torch.randn(s, device="cuda", generator=g) for s in shapes]
+    out = []
+    for _ in range(2):
+        ps = [torch.nn.Parameter(b.clone()) for b in base]
+        lr = torch.tensor(1e-3, device="cuda")
+        opt = torch.optim.AdamW([{"params": ps[:-8], "weight_decay": 0.1}, {"params": ps[-8:], "weight_decay": 0.0}],
+                                lr=lr, betas=(0.9, 0.95), foreach=True, capturable=True)
+        out.append((ps, opt))
+    return out
+
+
+def _kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+
+
+def test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_step_bit_for_bit():
+    from nemo_cudagraph_plugin.core.adam_step import GroupScalarAdam
+
+    # an LLM-like list: many square matrices, norms, an embedding
+    shapes = [(512, 512)] * 48 + [(2048, 512)] * 8 + [(512,)] * 8
+    (ref_ps, ref), (ps, opt) = _adam_pair(shapes)
+    grads = [[torch.randn_like(p) * (k + 1) for p in ps] for k in range(6)]
+    for (xs, o) in ((ref_ps, ref), (ps, opt)):
+        for p, gr in zip(xs, grads[0]):
+            p.grad = gr.clone()
+        o.step()  # creates the state, as the warm-up does
+    fast = GroupScalarAdam(opt)
+    assert fast.reason is None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with fast.during_capture(), torch.cuda.graph(graph):
+        opt.step()
+    assert "step" not in opt.__dict__ and fast.counted_groups == 2
+    for k in range(1, 6):
+        for p, q, gr in zip(ref_ps, ps, grads[k]):
+            p.grad.copy_(gr)
+            q.grad.copy_(gr)
+        ref.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    for i, (p, q) in enumerate(zip(ref_ps, ps)):
+        assert torch.equal(p, q), f"parameter {i}"
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref.state[p][key], opt.state[q][key]), f"parameter {i} {key}"
+    # torch divides the moments per parameter twice; the group-scalar update once per group, twice
+    def eager_fast():
+        with fast.during_capture():
+            opt.step()
+    theirs, ours = _kernels(ref.step), _kernels(eager_fast)
+    print(f"\nFAST_ADAM kernels per step: torch {theirs}, group-scalar {ours} ({len(shapes)} parameters)")
+    assert ours <= theirs - len(shapes)  # 2 x (parameters - 2) fewer, less any extra chunk launches
+
+
 def test_parity_bitwise_dropout_off():
     cb, trainer, g = _graphed()
     _, e = _eager()
