@@ -50,6 +50,8 @@ FINITE = "nemo_cudagraph_plugin/core/finite.py"
 NODES = "nemo_cudagraph_plugin/core/_cuda_nodes.py"
 ADAM = "nemo_cudagraph_plugin/core/adam_step.py"
 AS = "tests/test_adam_step.py::"
+TAIL = "nemo_cudagraph_plugin/core/adam_tail.py"
+ATL = "tests/test_adam_tail.py::"
 LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
 GPU = "tests/gpu/test_can_fail_gpu.py::"
@@ -1045,6 +1047,21 @@ MUTANTS: list[Mutant] = [
            "            opt.__dict__.pop(\"step\", None)",
            (LT + "test_fast_adam_with_an_lr_scheduler_trains_as_eager_and_gives_the_scheduler_its_step_wrapper_back",),
            "after a capture the optimizer loses the step wrapper its LR scheduler put on it"),
+    Mutant("adam-tail-skips-eps", "cpu", TAIL,
+           "tl.math.sqrt_rn(tl.load(v + offs, mask=mask, other=1.0)), bc2s) + eps, step_size)",
+           "tl.math.sqrt_rn(tl.load(v + offs, mask=mask, other=1.0)), bc2s), step_size)",
+           (ATL + "test_each_element_is_torchs_five_operations_rounded_as_torch_rounds_them",),
+           "the fused tail leaves eps out of the denominator of a tensor's last chunk"),
+    Mutant("adam-tail-writes-past-the-end", "cpu", TAIL,
+           "                mask = offs < numel\n",
+           "                mask = offs <= numel\n",
+           (ATL + "test_each_element_is_torchs_five_operations_rounded_as_torch_rounds_them",),
+           "the fused tail writes one element past the end of each tensor"),
+    Mutant("adam-tail-chunks-from-zero", "cpu", TAIL,
+           "        start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)",
+           "        start = c * 0 * (BLOCK * ITERS)",
+           (ATL + "test_each_element_is_torchs_five_operations_rounded_as_torch_rounds_them",),
+           "every program of the fused tail updates its tensor's first chunk"),
     Mutant("fast-adam-not-installed", "cpu", RUNNER,
            "            self._contexts.append(self.fast_adam.during_capture)\n",
            "",

@@ -10,7 +10,9 @@ Every parameter of a group that steps has taken the same number of steps (unless
 late), so their corrections are the same numbers. :func:`update` computes them once per group, with torch's own
 kernels on a one-element list, and divides with ``_foreach_div_(tensors, tensor)``: one multi-tensor kernel, the
 same IEEE division. Every other operation is torch's, in torch's order, on the same tensors, so parameters and
-optimizer states come out as the same bits.
+optimizer states come out as the same bits. Where Triton runs, the last five operations (the denominator and the
+parameter update) are one kernel that rounds each operation as torch's kernels do (:mod:`.adam_tail`): eight passes
+over the parameters fewer, and no parameter-sized temporary.
 
 Scope (anything else keeps torch's step): ``torch.optim.Adam``/``AdamW`` whose class does not override ``step``,
 torch 2.11 - 2.13 (:data:`~._torch_compat.ADAM_STEP_SHAPE`), every group ``capturable`` multi-tensor (not fused),
@@ -39,6 +41,9 @@ from ._torch_compat import (
     adam_init_group,
     adam_step_is_torchs,
 )
+from .adam_tail import FusedAdamTail, tail_applies
+from .finite import triton_available
+from .warn import warn_once
 
 __all__ = ["GroupScalarAdam", "update", "why_not"]
 
@@ -78,11 +83,12 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> Opti
 
 def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
            steps: list[Tensor], *, beta1: Hyper, beta2: Hyper, lr: Hyper, weight_decay: float, eps: float,
-           decoupled_weight_decay: bool) -> None:
+           decoupled_weight_decay: bool, tail: Optional[FusedAdamTail] = None) -> None:
     """One capturable Adam/AdamW update of tensors on one device and of one dtype whose ``steps`` are all equal.
 
     The operations of torch's ``_multi_tensor_adam`` (``capturable=True``, no amsgrad/maximize), except that the
-    bias corrections are computed from ``steps[0]`` alone and divided by as one tensor.
+    bias corrections are computed from ``steps[0]`` alone and divided by as one tensor. With ``tail`` (and tensors
+    it takes) the last five operations run as its one kernel (:mod:`.adam_tail`).
     """
     if not params:
         return
@@ -119,6 +125,9 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     torch._foreach_sqrt_(bias_correction2)
     step_size, bias_correction2_sqrt = bias_correction1[0], bias_correction2[0]
 
+    if tail is not None and tail_applies(params, exp_avgs, exp_avg_sqs):
+        tail(params, exp_avgs, exp_avg_sqs, bias_correction2_sqrt, step_size, eps)
+        return
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bias_correction2_sqrt)  # one kernel for all tensors (torch: one per parameter)
     torch._foreach_add_(denom, eps)
@@ -152,10 +161,14 @@ class GroupScalarAdam:
     updates done by the group-scalar update, ``torch_groups`` those left to torch (for tests and diagnostics).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, device_type: str = "cuda",
+                 fused_tail: Optional[bool] = None) -> None:
         self.optimizer = optimizer
         self.device_type = device_type
         self.reason = why_not(optimizer, device_type)
+        # The update's last five operations as one Triton kernel (adam_tail.py): by default where Triton runs.
+        use = triton_available() and device_type == "cuda" if fused_tail is None else fused_tail
+        self.tail: Optional[FusedAdamTail] = FusedAdamTail() if use else None
         self.counted_groups = 0
         self.torch_groups = 0
         self._equal: list[bool] = []
@@ -170,6 +183,13 @@ class GroupScalarAdam:
             yield
             return
         self._equal = _equal_counters(opt)
+        if self.tail is not None:
+            try:
+                self.tail.warm(next(p.device for g in opt.param_groups for p in g["params"]))
+            except Exception as exc:  # noqa: BLE001 - a Triton that cannot build or launch it: torch's operations
+                self.tail = None
+                warn_once("fast_adam-tail", f"fast_adam: the fused Adam tail kernel did not run ({type(exc).__name__}: "
+                          f"{exc}); the captured update ends with torch's operations instead (the same bits).")
         # This instance only (Lightning calls opt.step(closure=...)). An LR scheduler keeps a wrapper of its own in
         # the instance's step: it is put back after the capture.
         own = opt.__dict__.get("step", _ABSENT)
@@ -205,7 +225,7 @@ class GroupScalarAdam:
                     beta1, beta2 = group["betas"]
                     update(params, grads, exp_avgs, exp_avg_sqs, steps, beta1=beta1, beta2=beta2, lr=group["lr"],
                            weight_decay=group["weight_decay"], eps=group["eps"],
-                           decoupled_weight_decay=group["decoupled_weight_decay"])
+                           decoupled_weight_decay=group["decoupled_weight_decay"], tail=self.tail)
                     self.counted_groups += 1
                 else:
                     adam_functional(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,

@@ -78,12 +78,13 @@ class CaptureConfig:
             (:mod:`nemo_cudagraph_plugin.hf`). Applied only when the step is graphed. ``"as_is"``: leave them.
         fast_adam: a captured capturable ``torch.optim.Adam``/``AdamW`` step computes its bias corrections once per
             param group instead of once per parameter, and divides by them with one multi-tensor kernel each instead
-            of one kernel per parameter (torch's capturable update falls back to those): the same operations on the
-            same numbers, the same bits, 2 x (parameters - 1) kernels fewer per step (about 1.2 ms of an 8 ms
-            compiled HF Llama 156 M step on an H200). For float32 parameters on one GPU, multi-tensor (not fused)
-            groups without amsgrad/maximize, torch 2.11 - 2.13 (:mod:`nemo_cudagraph_plugin.core.adam_step`);
-            elsewhere the optimizer's own step is captured and the end-of-fit summary says why. Eager steps always
-            run torch's step.
+            of one kernel per parameter (torch's capturable update falls back to those, about 1.2 ms of an 8 ms
+            compiled HF Llama 156 M step on an H200); where Triton runs, the update's last five operations are one
+            kernel that reads the parameters and moments once (eight passes over them fewer, no parameter-sized
+            temporary). The same operations on the same numbers, rounded as torch rounds them: the same bits. For
+            float32 parameters on one GPU, multi-tensor (not fused) groups without amsgrad/maximize, torch 2.11 -
+            2.13 (:mod:`nemo_cudagraph_plugin.core.adam_step`); elsewhere the optimizer's own step is captured and
+            the end-of-fit summary says why. Eager steps always run torch's step.
     """
 
     enabled: bool = True

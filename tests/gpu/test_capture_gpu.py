@@ -35,6 +35,7 @@ def test_fast_adam_trains_as_torchs_capturable_adamw_bit_for_bit():
     assert cb.stats.verified_steps == 3
     fast = cb.step_runner.fast_adam
     assert cb.stats.fast_adam_unused == "" and fast.counted_groups == 2 * cb.stats.captures and not fast.torch_groups
+    assert fast.tail is not None  # the Triton tail, where Triton runs
     assert cb.stats.replays >= STEPS - 5, cb.stats.summary()
     gl, el = g.loss_tensor(), e.loss_tensor()
     assert torch.equal(gl, el), f"fast_adam graph vs eager(capturable) max rel diff {max_rel(gl, el):.3e}"
@@ -62,7 +63,8 @@ def _kernels(fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
-def test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_step_bit_for_bit():
+@pytest.mark.parametrize("fused_tail", [False, True], ids=["foreach-tail", "triton-tail"])
+def test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_step_bit_for_bit(fused_tail):
     from nemo_cudagraph_plugin.core.adam_step import GroupScalarAdam
 
     # an LLM-like list: many square matrices, norms, an embedding
@@ -73,8 +75,8 @@ def test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_
         for p, gr in zip(xs, grads[0]):
             p.grad = gr.clone()
         o.step()  # creates the state, as the warm-up does
-    fast = GroupScalarAdam(opt)
-    assert fast.reason is None
+    fast = GroupScalarAdam(opt, fused_tail=fused_tail)
+    assert fast.reason is None and (fast.tail is not None) == fused_tail
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with fast.during_capture(), torch.cuda.graph(graph):
@@ -96,7 +98,8 @@ def test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_
         with fast.during_capture():
             opt.step()
     theirs, ours = _kernels(ref.step), _kernels(eager_fast)
-    print(f"\nFAST_ADAM kernels per step: torch {theirs}, group-scalar {ours} ({len(shapes)} parameters)")
+    print(f"\nFAST_ADAM kernels per step: torch {theirs}, group-scalar {ours} ({len(shapes)} parameters, "
+          f"fused tail {fused_tail})")
     assert ours <= theirs - len(shapes)  # 2 x (parameters - 2) fewer, less any extra chunk launches
 
 

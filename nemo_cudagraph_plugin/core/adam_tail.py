@@ -1,0 +1,132 @@
+"""The last five operations of torch's capturable Adam update in one Triton kernel, with the same bits.
+
+torch's capturable multi-tensor update ends (``torch/optim/adam.py``, ``_multi_tensor_adam``)::
+
+    denom = _foreach_sqrt(exp_avg_sqs)              # reads v, writes denom
+    _foreach_div_(denom, bias_correction2_sqrt)     # reads and writes denom
+    _foreach_add_(denom, eps)                       # reads and writes denom
+    _foreach_div_(denom, step_size)                 # reads and writes denom
+    _foreach_addcdiv_(params, exp_avgs, denom)      # reads p, m, denom, writes p
+
+twelve passes over parameter-sized memory, and a parameter-sized ``denom`` allocated. This kernel reads ``v``, ``m``
+and ``p`` once and writes ``p`` once, computing each element with the same float32 operations in the same order,
+each rounded as torch's CUDA kernels round it: ``sqrt_rn`` (torch's ``sqrtf``), ``div_rn`` (its IEEE division), an
+add, ``div_rn``, and ``p + m / denom`` (torch's addcdiv with value 1). Nothing is contracted (there is no multiply
+to fuse), so the parameters come out as the same bits, eight passes fewer.
+
+Metadata: one int64 table per tensor set (addresses of ``p``, ``m``, ``v``, sizes, first program of each tensor, and
+each program's tensor), built on the host; inside a capture the graph copies it from pinned memory before the
+kernel (a copy node re-run by every replay), and :class:`FusedAdamTail` keeps both alive with itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .finite import capturing
+
+__all__ = ["FusedAdamTail", "tail_applies"]
+
+# Elements per load and loads per program: 16 KiB of each of the three tensors per program.
+BLOCK, ITERS, NUM_WARPS = 1024, 4, 4
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # Not specialised on the tensor count: a capture must never meet a new variant of the kernel (compiling and
+    # loading a module while a graph captures); FusedAdamTail.warm compiles the one the run uses before it.
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def adam_tail_kernel(table, n_tensors, bc2s_ptr, step_size_ptr, eps, ref,
+                         BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        c = tl.program_id(0)
+        t = tl.load(table + 5 * n_tensors + c)
+        p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+        m = tl.multiple_of(tl.load(table + n_tensors + t).to(ref.dtype), 16)
+        v = tl.multiple_of(tl.load(table + 2 * n_tensors + t).to(ref.dtype), 16)
+        numel = tl.load(table + 3 * n_tensors + t)
+        start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)  # int64: tensors may exceed 2**31
+        bc2s = tl.load(bc2s_ptr)
+        step_size = tl.load(step_size_ptr)
+        if start + BLOCK * ITERS <= numel:  # a whole chunk: no mask (a mask of unknown alignment splits vectors)
+            for i in tl.static_range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                d = tl.math.div_rn(tl.math.div_rn(tl.math.sqrt_rn(tl.load(v + offs)), bc2s) + eps, step_size)
+                tl.store(p + offs, tl.load(p + offs) + tl.math.div_rn(tl.load(m + offs), d))
+        else:  # the tensor's last, partial chunk
+            for i in tl.static_range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < numel
+                d = tl.math.div_rn(
+                    tl.math.div_rn(tl.math.sqrt_rn(tl.load(v + offs, mask=mask, other=1.0)), bc2s) + eps, step_size)
+                x = tl.load(p + offs, mask=mask, other=0.0) + tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0), d)
+                tl.store(p + offs, x, mask=mask)
+
+    return adam_tail_kernel
+
+
+def tail_applies(*lists: Sequence[Tensor]) -> bool:
+    """Whether the kernel can take these tensors: float32, contiguous, 16-byte aligned, non-empty, one device."""
+    device = lists[0][0].device if lists and lists[0] else None
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0 and t.data_ptr() % 16 == 0
+               and t.device == device for ts in lists for t in ts)
+
+
+class FusedAdamTail:
+    """Runs the tail of the update for one group's tensors (see the module docstring).
+
+    A graph reads the table of the step it captured on every replay: the tables of captured launches stay allocated
+    as long as this object lives (one per param group and capture, a few KiB each).
+    """
+
+    def __init__(self, block: int = BLOCK, iters: int = ITERS, num_warps: int = NUM_WARPS) -> None:
+        self.block, self.iters, self.num_warps = block, iters, num_warps
+        self._kept: list[tuple[Tensor, Tensor]] = []  # the tables of captured launches (host source, device copy)
+        self._warm: set[torch.device] = set()
+
+    def _table(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+               exp_avg_sqs: Sequence[Tensor]) -> tuple[Tensor, int]:
+        per_program = self.block * self.iters
+        rows: list[list[int]] = [[], [], [], [], [], []]
+        for j, (p, m, v) in enumerate(zip(params, exp_avgs, exp_avg_sqs)):
+            rows[0].append(p.data_ptr())
+            rows[1].append(m.data_ptr())
+            rows[2].append(v.data_ptr())
+            rows[3].append(p.numel())
+            rows[4].append(len(rows[5]))
+            rows[5].extend([j] * -(-p.numel() // per_program))
+        host = torch.tensor([x for row in rows for x in row], dtype=torch.int64)
+        device = params[0].device
+        if device.type == "cuda":
+            host = host.pin_memory()
+        # Pinned + non_blocking: no host sync. Inside a capture this copy is a node of the graph, re-run by every
+        # replay before the kernel: the table is rewritten even where the graph's earlier kernels used its memory.
+        table = host.to(device, non_blocking=True)
+        if capturing(device):
+            self._kept.append((host, table))  # the graph reads both on every replay
+        return table, len(rows[5])
+
+    def __call__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
+                 bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float) -> None:
+        """``p += m / ((sqrt(v) / bias_correction2_sqrt + eps) / step_size)`` for each triple, as torch does it."""
+        table, programs = self._table(params, exp_avgs, exp_avg_sqs)
+        _kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps), params[0],
+                               BLOCK=self.block, ITERS=self.iters, num_warps=self.num_warps)
+
+    def warm(self, device: torch.device) -> None:
+        """Compile the kernel before any capture on ``device`` (a first launch inside a capture would compile)."""
+        if device in self._warm:
+            return
+        p, m, v = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(3))
+        one = torch.ones((), dtype=torch.float32, device=device)
+        self([p], [m], [v], one, one, 1e-8)  # not capturing: nothing is kept
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._warm.add(device)
