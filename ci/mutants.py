@@ -338,6 +338,18 @@ MUTANTS: list[Mutant] = [
            "            for _, p in self.named_params:\n                p.grad = None\n        before = ",
            ("tests/gpu/test_capture_gpu.py::test_graphed_peak_memory_is_that_of_eager_training_with_the_same_optimizer",),
            "the capture keeps the previous step's gradients alive: the graphed run peaks a set of gradients above eager"),
+    Mutant("adam-tail-approximate-division-cuda", "gpu", TAIL,
+           "tl.store(p + offs, tl.load(p + offs) + tl.math.div_rn(tl.load(m + offs), d))",
+           "tl.store(p + offs, tl.load(p + offs) + tl.load(m + offs) / d)",
+           ("tests/gpu/test_capture_gpu.py::"
+            "test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_step_bit_for_bit[triton-tail]",),
+           "the fused Adam tail divides with Triton's approximate float32 division (exact in the CPU interpreter)"),
+    Mutant("adam-tail-approximate-sqrt-cuda", "gpu", TAIL,
+           "d = tl.math.div_rn(tl.math.div_rn(tl.math.sqrt_rn(tl.load(v + offs)), bc2s) + eps, step_size)",
+           "d = tl.math.div_rn(tl.math.div_rn(tl.sqrt(tl.load(v + offs)), bc2s) + eps, step_size)",
+           ("tests/gpu/test_capture_gpu.py::"
+            "test_group_scalar_adam_update_replayed_in_a_cuda_graph_is_torchs_capturable_step_bit_for_bit[triton-tail]",),
+           "the fused Adam tail takes Triton's approximate square root"),
     Mutant("finite-check-keeps-tensor-cuda", "gpu", FINITE,
            "        self.ref = tensors[0].new_empty(1)",
            "        self.ref = tensors[0]",

@@ -87,7 +87,8 @@ stage_unit() {
     say "the NeMo recipe tests (marker nemo) are deselected here: they run in the nemo stage, on real NeMo"
     # NCG_REQUIRE_PLOT=1: the PNG tests fail instead of skipping if matplotlib did not install.
     # NCG_REQUIRE_ZOO=1: the Hugging Face tests fail instead of skipping if transformers did not install.
-    NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 run_pytest unit "$PY" -m "not gpu and not nemo"
+    # NCG_REQUIRE_TRITON=1: the kernel tests in Triton's interpreter fail instead of skipping without Triton.
+    NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 NCG_REQUIRE_TRITON=1 run_pytest unit "$PY" -m "not gpu and not nemo"
 }
 
 # Planted breaks (mutants) of the product code, each of which the CPU tests must catch; ci/mutants.py exits

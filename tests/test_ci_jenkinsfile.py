@@ -280,15 +280,16 @@ def test_unit_stage_treats_pytest_exit_5_as_failure(tmp_path, pytest_rc, stage_r
     script = _copy_script(tmp_path)
     # A venv whose python installs nothing and whose pytest exits with pytest_rc, recording its arguments.
     _fake_python(tmp_path / ".venv" / "bin" / "python",
-                 f'if [ "$2" = pytest ]; then echo "NCG_REQUIRE_PLOT=$NCG_REQUIRE_PLOT NCG_REQUIRE_ZOO=$NCG_REQUIRE_ZOO $@" > "{tmp_path}/pytest.args"; '
+                 f'if [ "$2" = pytest ]; then echo "NCG_REQUIRE_PLOT=$NCG_REQUIRE_PLOT NCG_REQUIRE_ZOO=$NCG_REQUIRE_ZOO '
+                 f'NCG_REQUIRE_TRITON=$NCG_REQUIRE_TRITON $@" > "{tmp_path}/pytest.args"; '
                  f'exit {pytest_rc}; fi\necho "$@" >> "{tmp_path}/calls"; exit 0\n')
     out = subprocess.run(["bash", str(script), "unit"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHON": "false"})
     assert out.returncode == stage_rc, out.stdout + out.stderr
     args = (tmp_path / "pytest.args").read_text()
     assert "-m pytest -m not gpu and not nemo" in args and f"--junitxml={tmp_path}/build/reports/unit.xml" in args
-    # the plot and zoo extras are installed and the PNG and Hugging Face tests are told not to skip
-    assert args.startswith("NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 ")
+    # the test, plot and zoo extras are installed and the Triton, PNG and Hugging Face tests are told not to skip
+    assert args.startswith("NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 NCG_REQUIRE_TRITON=1 ")
     assert "-m pip install --progress-bar off -e .[test,plot,zoo]" in (tmp_path / "calls").read_text().splitlines()
     # the deselected NeMo tests are not dropped silently: the stage says where they run
     assert "the NeMo recipe tests (marker nemo) are deselected here: they run in the nemo stage" in out.stdout
