@@ -117,7 +117,8 @@ class FusedAdamTail:
                  bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float) -> None:
         """``p += m / ((sqrt(v) / bias_correction2_sqrt + eps) / step_size)`` for each triple, as torch does it."""
         table, programs = self._table(params, exp_avgs, exp_avg_sqs)
-        _kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps), params[0],
+        # params[0] only selects the pointer type (never read through); detached: a plain tensor for Triton's launcher
+        _kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps), params[0].detach(),
                                BLOCK=self.block, ITERS=self.iters, num_warps=self.num_warps)
 
     def warm(self, device: torch.device) -> None:
