@@ -205,8 +205,7 @@ class LightningStepRunner:
         if self.config.fast_adam:
             self.fast_adam = GroupScalarAdam(optimizer, self.engine.backend.device_type)
             self._contexts.append(self.fast_adam.during_capture)
-            if self.fast_adam.reason is not None:
-                self.stats.fast_adam_unused = self.fast_adam.reason
+            if self.fast_adam.reason is not None:  # stats.fast_adam_unused says it after each capture
                 rank_zero_info(f"{self.owner}(fast_adam=True): the optimizer's own step is captured: "
                                f"{self.fast_adam.reason}")
         self._install(optimizer, pl_module)
