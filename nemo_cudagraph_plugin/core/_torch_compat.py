@@ -93,7 +93,6 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
     return None
 
 
-
 # torch versions whose ``Adam.step``, ``Adam._init_group`` and capturable multi-tensor update
 # (``torch/optim/adam.py``: ``_multi_tensor_adam``) have the shape ``core/adam_step.py`` mirrors: the same
 # operations in the same order, read from the sources of 2.11 (the GPU host) and 2.13 (CI) (2.12 lies between).
