@@ -1079,6 +1079,16 @@ MUTANTS: list[Mutant] = [
            "",
            (LT + "test_fast_adam_captures_the_group_scalar_update_and_trains_as_eager_bit_for_bit[same-counters]",),
            "fast_adam=True captures torch's own step"),
+    Mutant("fast-adam-off-by-default", "cpu", "nemo_cudagraph_plugin/core/config.py",
+           "    fast_adam: bool = True\n",
+           "    fast_adam: bool = False\n",
+           (LT + "test_fast_adam_is_on_by_default",),
+           "fast_adam is off unless asked for"),
+    Mutant("fast-adam-reports-on-any-optimizer", "cpu", RUNNER,
+           "        if self.config.fast_adam and isinstance(optimizer, torch.optim.Adam):",
+           "        if self.config.fast_adam:",
+           (LT + "test_fast_adam_says_nothing_about_an_optimizer_that_is_not_adam",),
+           "fast_adam's default names every optimizer that is not Adam as a reason it was not used"),
     # -- the step-time harness's report: the figures of the results table -----------------------------
     Mutant("report-pairs-rounds-by-position", "cpu", "benchmarks/harness/report.py",
            "            ratio_rounds = [ok_by_round[v][k][\"ms_per_step\"] / ok_by_round[base][k][\"ms_per_step\"]\n"

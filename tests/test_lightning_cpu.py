@@ -50,7 +50,7 @@ class TinyGPT(GPTLightningModule):
 
     def __init__(self, sched=None, late_param=False, extra_for_long=0, poison_param=None, python_logs=False,
                  baked_counter=False, lr_in_optimizer_step=False, dropout=0.0, trainable_only=False, poison_inf=False,
-                 compile_kw=None, foreach_adam=False):
+                 compile_kw=None, foreach_adam=False, sgd=False):
         super().__init__(CFG.replace(dropout=dropout), lr=LR)
         self.sched = sched
         # a parameter that first gets a gradient at batch 2 (the last warm-up step), and one that never gets one:
@@ -69,6 +69,7 @@ class TinyGPT(GPTLightningModule):
         self.calls = 0
         self.compile_kw = compile_kw  # torch.compile's keywords for the GPT body, applied in configure_model
         self.foreach_adam = foreach_adam  # torch's multi-tensor capturable AdamW instead of the fused one
+        self.sgd = sgd  # SGD with momentum instead of AdamW
 
     def configure_model(self):
         if self.compile_kw is not None and not hasattr(self.model, "_orig_mod"):
@@ -115,7 +116,8 @@ class TinyGPT(GPTLightningModule):
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         kernel = {"foreach": True, "capturable": True} if self.foreach_adam else {"fused": True}
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        make = (lambda groups, **kw: torch.optim.SGD(groups, lr=LR, momentum=0.9)) if self.sgd else torch.optim.AdamW
+        opt = make([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                 lr=LR, betas=(0.9, 0.95), **kernel)
         if self.sched is None:
             return opt
@@ -1193,6 +1195,19 @@ def test_fast_adam_with_an_lr_scheduler_trains_as_eager_and_gives_the_scheduler_
     assert graphed.rec.losses == eager.rec.losses and graphed.rec.lrs == eager.rec.lrs
     # the scheduler tracks optimizer.step() calls through a wrapper on the instance: still there after the captures
     assert hasattr(graphed.trainer.optimizers[0].__dict__.get("step"), "_wrapped_by_lr_sched")
+
+
+def test_fast_adam_is_on_by_default(capturable_on_cpu):
+    run = fit(module_kw={"foreach_adam": True}, cb_kw={"sync_check": False}, tape_kw={"sync_in_capture": "bake"})
+    assert run.stats.replays > 0 and run.stats.fast_adam_unused == ""
+    assert run.cb.step_runner.fast_adam.counted_groups == 2 * run.stats.captures
+
+
+def test_fast_adam_says_nothing_about_an_optimizer_that_is_not_adam(caplog):
+    with caplog.at_level("INFO"):
+        run = fit(module_kw={"sgd": True})
+    assert run.stats.replays > 0 and run.cb.step_runner.fast_adam is None
+    assert run.stats.fast_adam_unused == "" and "fast_adam" not in run.stats.summary() + caplog.text
 
 
 def test_fast_adam_on_a_fused_adamw_says_why_it_keeps_the_optimizers_step(caplog):

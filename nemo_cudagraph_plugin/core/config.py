@@ -83,8 +83,9 @@ class CaptureConfig:
             kernel that reads the parameters and moments once (eight passes over them fewer, no parameter-sized
             temporary). The same operations on the same numbers, rounded as torch rounds them: the same bits. For
             float32 parameters on one GPU, multi-tensor (not fused) groups without amsgrad/maximize, torch 2.11 -
-            2.13 (:mod:`nemo_cudagraph_plugin.core.adam_step`); elsewhere the optimizer's own step is captured and
-            the end-of-fit summary says why. Eager steps always run torch's step.
+            2.13 (:mod:`nemo_cudagraph_plugin.core.adam_step`); elsewhere an Adam/AdamW's own step is captured and
+            the end-of-fit summary says why (other optimizers are not concerned). Eager steps always run torch's
+            step. ``False``: torch's own capturable update is captured.
     """
 
     enabled: bool = True
@@ -103,7 +104,7 @@ class CaptureConfig:
     memsets_as_kernels: bool = True
     io_in_graph: bool = True
     hf_attention: Literal["graph_safe", "as_is"] = "graph_safe"
-    fast_adam: bool = False
+    fast_adam: bool = True
 
     def __post_init__(self) -> None:
         _check(self, "CaptureConfig")

@@ -202,7 +202,8 @@ class LightningStepRunner:
         self._checks = [lambda: _refuse_group_writes(watch)]
         self.engine = CaptureEngine(self.config, pl_module.device, named, self, generators=self.generators,
                                     stats=self.stats, backend=self.backend)
-        if self.config.fast_adam:
+        # Only an Adam/AdamW is concerned: for other optimizers there is nothing to say (fast_adam is on by default).
+        if self.config.fast_adam and isinstance(optimizer, torch.optim.Adam):
             self.fast_adam = GroupScalarAdam(optimizer, self.engine.backend.device_type)
             self._contexts.append(self.fast_adam.during_capture)
             if self.fast_adam.reason is not None:  # stats.fast_adam_unused says it after each capture
