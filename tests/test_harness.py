@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,20 @@ def test_page_and_readme_show_skipped_and_failed_runs_and_the_markers_are_replac
         report.replace_between("no markers", report.README_BEGIN, report.README_END, "x")
 
 
+def test_the_share_of_steps_in_which_the_gpu_waited_for_the_host_is_a_column_of_every_row():
+    runs = [_run("eager", 0, 40.0, gpu_idle_at_step_start=0.0), _run("ours", 0, 12.0, gpu_idle_at_step_start=0.97),
+            _run("compile", 0, 20.0), {**_run("compile_ours", 0, None, ok=False), "skipped": True}]
+    res = _one(runs)
+    assert res["variants"]["ours"]["host_bound"] == pytest.approx(0.97)
+    table = [line for line in report.workload_table(res) if line.startswith("|")]
+    head = table[0].split(" | ")
+    col = head.index("GPU waited for the host")
+    cells = {row.split(" | ")[0].lstrip("| "): row.split(" | ") for row in table[2:]}
+    assert cells["ours"][col] == "97 %" and cells["eager"][col] == "0 %" and cells["compile"][col] == "–"
+    cols = table[0].replace("\\|", "").count("|")
+    assert all(row.replace("\\|", "").count("|") == cols for row in table)
+
+
 def test_plan_keeps_a_workloads_round_on_one_lane_runs_nemo_on_gpt_only_and_skips_what_the_budget_cannot_hold():
     plan = runner.make_plan(list(WORKLOADS), ["eager", "ours", "nemo"], 2, 3, dict(SETTINGS, lanes=3))
     assert plan[0]["kind"] == "ceiling"
@@ -214,15 +229,26 @@ def test_the_prepared_references_are_planned_for_every_workload_and_estimated_as
     assert not VARIANTS["reference"].graphs and not VARIANTS["compile_reference"].graphs
 
 
-def test_resume_keeps_the_runs_done_and_refuses_other_settings(tmp_path):
+def test_resume_keeps_the_runs_that_succeeded_and_refuses_other_settings(tmp_path):
     path = tmp_path / "step-time.json"
     runs = [_run("eager", 0, 40.0), {**_run("ours", 0, None, ok=False), "skipped": True},
-            _run("compile", 0, None, ok=False, rc=124, error="child exited 124 without a record")]
+            _run("compile", 0, None, ok=False, rc=124, error="child exited 124 without a record"),
+            _run("nemo", 0, None, ok=False, rc=0, error="AssertionError: Expect _LRScheduler type")]
     path.write_text(json.dumps({"settings": SETTINGS, "runs": runs, "ceiling": None}))
     records, done = runner.load_resume(path, SETTINGS)
     assert done == {"0/llama156m-2x512/eager"} and len(records) == 1
     with pytest.raises(SystemExit, match="clip"):
         runner.load_resume(path, {**SETTINGS, "clip": 0.0})
+
+
+def test_resume_refuses_runs_timed_on_another_gpu(tmp_path):
+    path = tmp_path / "step-time.json"
+    env = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}
+    runs = [_run("eager", 0, 40.0, env=env), _run("ours", 0, 9.0, env=env)]
+    path.write_text(json.dumps({"settings": SETTINGS, "runs": runs, "ceiling": None}))
+    assert runner.load_resume(path, SETTINGS, "NVIDIA H200")[1] == {"0/llama156m-2x512/eager", "0/llama156m-2x512/ours"}
+    with pytest.raises(SystemExit, match="timed on NVIDIA H200, this machine has NVIDIA H100 80GB HBM3"):
+        runner.load_resume(path, SETTINGS, "NVIDIA H100 80GB HBM3")
 
 
 def test_parameters_in_matmuls_leave_out_embedding_tables_but_count_a_tied_head_once():
@@ -319,3 +345,64 @@ def test_plan_prints_the_runs_and_runs_nothing_and_docs_are_never_written_from_a
     assert out.splitlines()[-1].startswith("31 jobs, 0 done; estimated ")
     with pytest.raises(SystemExit, match="smoke run"):
         main(["--dry-run", "--write-docs"])
+
+
+def test_nemos_variant_gets_the_schedule_as_an_lrscheduler_subclass_with_the_same_learning_rates():
+    """NeMo 3.0.0's callback asserts ``isinstance(scheduler, _LRScheduler)`` on train start, which torch's
+    ``LambdaLR`` fails: its variant gets the same warm-up + cosine as such a subclass, every learning rate equal."""
+    import warnings
+
+    import torch
+
+    from benchmarks.harness.child import build_module
+    from benchmarks.harness.models import BenchLM
+    from benchmarks.harness.workloads import dry_run
+
+    w = replace(dry_run(WORKLOADS["gpt-tiny"]), steps=40)
+    job = {"optim": "adamw"}
+
+    def lrs(variant):
+        cfg = build_module(job, w, VARIANTS[variant], cuda=False).configure_optimizers()
+        opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+        seen = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the scheduler stepped without an optimizer step
+            for _ in range(w.steps):
+                seen.append([g["lr"] for g in opt.param_groups])
+                sched.step()
+        return sched, seen
+
+    nemo_sched, nemo_lrs = lrs("nemo")
+    eager_sched, eager_lrs = lrs("eager")
+    assert isinstance(nemo_sched, torch.optim.lr_scheduler._LRScheduler)
+    assert isinstance(eager_sched, torch.optim.lr_scheduler.LambdaLR)
+    assert nemo_lrs == eager_lrs and len({lr[0] for lr in nemo_lrs}) > 10
+
+    # On the GPU its optimizer is capturable with a tensor lr: the callback copies get_lr()'s values into the first
+    # list it saw (Tensor.copy_), so they must be tensors, and the optimizer's lr tensor is filled in place.
+    module = BenchLM(w, capturable=True, nemo_schedule=True, max_steps=w.steps, device="cpu")
+    cfg = module.configure_optimizers()
+    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+    lr_tensor = opt.param_groups[0]["lr"]
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(w.steps):
+            seen.append(float(opt.param_groups[0]["lr"]))
+            assert all(isinstance(v, torch.Tensor) for v in sched.get_lr())
+            sched.step()
+    assert isinstance(lr_tensor, torch.Tensor) and opt.param_groups[0]["lr"] is lr_tensor
+    assert seen == pytest.approx([lr[0] for lr in eager_lrs], rel=1e-6)
+
+
+def test_a_resumed_table_quotes_a_command_that_regenerates_every_run_it_holds():
+    from benchmarks.harness.cli import build_parser, table_command
+
+    args = build_parser().parse_args(["--rounds", "1", "--workloads", "gpt-tiny", "--variants", "nemo"])
+    assert "--workloads gpt-tiny --variants nemo" in table_command(args, [])
+    resumed = [_run("eager", 0, 40.0), _run("compile_ours", 0, 9.0)]  # llama156m-2x512
+    cmd = table_command(args, resumed)
+    assert "--workloads llama156m-2x512 gpt-tiny --variants eager compile_ours nemo" in cmd, cmd
+    every = [_run(v, 0, 1.0, workload=WORKLOADS[n].as_dict()) for n in WORKLOADS for v in DEFAULT_VARIANTS]
+    assert table_command(args, every) == \
+        "python -m benchmarks.harness --rounds 1 --out benchmarks/results --write-docs"

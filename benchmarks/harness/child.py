@@ -8,7 +8,9 @@ The step: Lightning ``Trainer(precision=..., gradient_clip_val=...)`` on :class:
 Timed window: steps ``measure_from`` to ``steps - profile_steps - 1``, a host sync at its two edges only. Every step's
 loss stays on the device and is read once after training. The last ``profile_steps`` steps run under
 ``torch.profiler`` (CUDA activity): the kernel floor is the summed device time of the kernels, copies and memsets of
-one of this variant's own steps.
+one of this variant's own steps. Inside the window an event recorded at the end of each step is polled (never waited
+on) when the next one begins: the share of steps at whose start the GPU had already finished the previous one is
+the share in which the GPU waited for the host (host-bound steps; about 2 µs of host time per step).
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ def make_probe(job: dict) -> Any:
             self.t1: Optional[float] = None
             self.prof: Any = None
             self.profile: Optional[dict] = None
+            # Polled, not waited on: True when the GPU finished the previous step before the host began this one.
+            self.done_ev = torch.cuda.Event() if cuda else None
+            self.idle = self.polled = 0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.done_ev is not None and first < batch_idx <= last_timed:
+                self.polled += 1
+                self.idle += self.done_ev.query()
             if batch_idx == first:
                 _sync(cuda)
                 self.t0 = time.perf_counter()
@@ -66,6 +74,8 @@ def make_probe(job: dict) -> Any:
                 self.prof.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.done_ev is not None and first <= batch_idx < last_timed:
+                self.done_ev.record()
             if batch_idx == last_timed:
                 _sync(cuda)
                 self.t1 = time.perf_counter()
@@ -95,6 +105,8 @@ def make_probe(job: dict) -> Any:
             if self.t0 is not None and self.t1 is not None:
                 out["window_steps"] = last_timed - first + 1
                 out["ms_per_step"] = (self.t1 - self.t0) * 1e3 / out["window_steps"]
+            if self.polled:
+                out["gpu_idle_at_step_start"] = self.idle / self.polled
             if self.profile is not None:
                 out.update(self.profile)
             return out
@@ -197,12 +209,23 @@ def stats_record(stats: Any) -> dict:
     return d
 
 
+def build_module(job: dict, w: Any, v: Any, cuda: bool) -> Any:
+    """The job's LightningModule: the workload's model, compiled as the variant says, and its optimizer; NeMo's
+    variant gets AdamW(capturable=True) with a device-tensor learning rate and the schedule as a ``_LRScheduler``
+    (its callback accepts nothing else)."""
+    from .models import BenchLM
+
+    return BenchLM(w, compile_mode=v.compile, compile_backend=job.get("compile_backend"), optim=job["optim"],
+                   capturable=v.nemo and cuda, nemo_schedule=v.nemo, max_steps=w.steps,
+                   device="cuda" if cuda else "cpu")
+
+
 def run_variant(job: dict) -> dict:
     """Train the job's variant of its workload; the record's measured fields."""
     import lightning.pytorch as pl
     import torch
 
-    from .models import BenchLM, token_loader
+    from .models import token_loader
     from .variants import NEMO_CAPTURE_ITERATION, VARIANTS
     from .workloads import Workload
 
@@ -239,8 +262,7 @@ def run_variant(job: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     pl.seed_everything(job["seed"], verbose=False)
     t = time.perf_counter()
-    module = BenchLM(w, compile_mode=v.compile, compile_backend=job.get("compile_backend"), optim=job["optim"],
-                     capturable=v.nemo and cuda, max_steps=w.steps, device="cuda" if cuda else "cpu")
+    module = build_module(job, w, v, cuda)
     out.update(build_s=time.perf_counter() - t, n_params=module.n_params, n_matmul_params=module.n_matmul_params)
     probe = make_probe(job)
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=job["precision"],

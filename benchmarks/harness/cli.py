@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no run that would end past this many seconds (estimated); skipped runs are reported "
                         "as skipped and --resume runs them later. 0: no limit")
     p.add_argument("--resume", type=Path, default=None,
-                   help="a step-time.json of an earlier run with the same settings: its runs are kept, the rest run")
+                   help="a step-time.json of an earlier run with the same settings: its successful runs are kept, the rest "
+                        "(missing, skipped for the budget, failed) run")
     p.add_argument("--report", type=Path, default=None,
                    help="render the tables of this step-time.json (no runs; with --write-docs, update the docs)")
     p.add_argument("--out", type=Path, default=None,
@@ -82,6 +83,18 @@ def canonical_command(args: argparse.Namespace) -> str:
     if args.optim != "adamw":
         cmd += ["--optim", args.optim]
     return shlex.join([*cmd, "--out", "benchmarks/results", "--write-docs"])
+
+
+def table_command(args: argparse.Namespace, records: list[dict]) -> str:
+    """The command quoted with the table: this run's, widened to the workloads and variants of the runs it resumed
+    (the table holds those too, so the command must regenerate them)."""
+    runs = [r for r in records if r.get("kind") == "variant"]
+    if not runs:
+        return canonical_command(args)
+    names = set(args.workloads) | {r["workload"]["name"] for r in runs}
+    variants = set(args.variants) | {r["variant"] for r in runs}
+    return canonical_command(argparse.Namespace(**{**vars(args), "workloads": [w for w in WORKLOADS if w in names],
+                                                   "variants": [v for v in VARIANTS if v in variants]}))
 
 
 def write_outputs(data: dict, out: Path, command: str, docs: bool) -> None:
@@ -131,16 +144,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry_run:
         settings["compile_backend"] = "eager"
     plan = make_plan(args.workloads, args.variants, args.rounds, args.gpus, settings)
-    records, done = load_resume(args.resume, settings)
-    print(plan_text(plan, done, args.budget_s, args.gpus), flush=True)
-    if args.plan:
-        return 0
-    if not args.dry_run:
+    gpu = None
+    if not args.dry_run and not args.plan:
         import torch
 
         if not torch.cuda.is_available():
             print("python -m benchmarks.harness needs a CUDA GPU (or --dry-run, the CPU smoke run).")
             return 2
+        gpu = torch.cuda.get_device_name()
+    records, done = load_resume(args.resume, settings, gpu)
+    settings["command"] = table_command(args, records)
+    print(plan_text(plan, done, args.budget_s, args.gpus), flush=True)
+    if args.plan:
+        return 0
     out = args.out or (REPO / "build" / "harness_dry_run" if args.dry_run else REPO / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

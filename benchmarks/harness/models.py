@@ -4,7 +4,8 @@ One module for both kinds of workload: a Hugging Face ``LlamaForCausalLM`` built
 ``labels``) or the recipe's GPT (``recipes/gpt.py``, :func:`recipes.gpt.gpt_loss`). ``training_step`` returns the loss
 and logs it (no progress bar: a progress-bar metric reads the loss on the host every step); ``configure_optimizers``
 gives AdamW (weight decay on >= 2-D weights) and a ``LambdaLR`` stepped every step: linear warm-up over the first
-tenth of the steps, then cosine decay to a tenth of the peak.
+tenth of the steps, then cosine decay to a tenth of the peak. NeMo's variant gets the same schedule as a
+``_LRScheduler`` subclass (:class:`WarmupCosineLR`), the only kind NeMo's callback accepts.
 """
 
 from __future__ import annotations
@@ -66,6 +67,23 @@ def lr_lambda(steps: int) -> Any:
     return at
 
 
+class WarmupCosineLR(torch.optim.lr_scheduler._LRScheduler):
+    """:func:`lr_lambda`'s schedule as a subclass of torch's ``_LRScheduler``, as NeMo's own schedulers are.
+
+    NeMo 3.0.0's ``CUDAGraphCallback`` asserts ``isinstance(scheduler, _LRScheduler)`` on train start, which no
+    scheduler of ``torch.optim.lr_scheduler`` passes (they derive from ``LRScheduler``, of which ``_LRScheduler`` is
+    a subclass). The learning rates are ``LambdaLR``'s: each is ``base_lr * lr_lambda(steps)(step)`` (a tensor where
+    the optimizer's lr is one, as NeMo's callback needs).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
+        self.at = lr_lambda(steps)
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [base * self.at(self.last_epoch) for base in self.base_lrs]
+
+
 class BenchLM(pl.LightningModule):
     """The workload's model trained on next-token loss.
 
@@ -77,18 +95,22 @@ class BenchLM(pl.LightningModule):
             gradient clipping with a fused optimizer under ``bf16-mixed`` (it unscales internally).
         capturable: ``AdamW(capturable=True)`` (NeMo's callback needs it and does not set it).
         schedule: the warm-up + cosine ``LambdaLR`` over ``max_steps``, stepped every step.
+        nemo_schedule: that schedule as :class:`WarmupCosineLR` (NeMo's callback accepts no ``LambdaLR``), and with
+            ``capturable`` the learning rate a 0-d device tensor (NeMo's callback copies the schedule's values into
+            tensors, and a float would be frozen into its graph).
         log: ``self.log("train_loss", loss)`` in the step.
         device: where the weights are created (on the GPU a 1 B model initialises in a fraction of the CPU's time).
     """
 
     def __init__(self, workload: Workload, *, compile_mode: Optional[str] = None,
                  compile_backend: Optional[str] = None, optim: str = "adamw",
-                 capturable: bool = False, schedule: bool = True, max_steps: int = 100, lr: float = 3e-4,
-                 log: bool = True, device: Optional[str] = None) -> None:
+                 capturable: bool = False, schedule: bool = True, nemo_schedule: bool = False, max_steps: int = 100,
+                 lr: float = 3e-4, log: bool = True, device: Optional[str] = None) -> None:
         super().__init__()
         self.workload, self.compile_mode, self.compile_backend = workload, compile_mode, compile_backend
         self.optim_kind = optim
         self.capturable, self.schedule, self.max_steps, self.lr, self.log_loss = capturable, schedule, max_steps, lr, log
+        self.nemo_schedule = nemo_schedule
         with torch.device(device or "cpu"):
             self.model = build_model(workload)
         self.n_params, self.n_matmul_params = param_counts(self.model)
@@ -117,11 +139,17 @@ class BenchLM(pl.LightningModule):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         kw: dict[str, Any] = {"fused": True} if self.optim_kind == "fused_adamw" else {}
+        # NeMo's callback copies the scheduler's learning rates into the first ones it saw (tensor.copy_): with a
+        # float lr it fails, and an lr that is not a device tensor would be frozen into its graph.
+        lr: Any = torch.tensor(self.lr, device=self.device) if self.nemo_schedule and self.capturable else self.lr
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                lr=self.lr, betas=(0.9, 0.95), capturable=self.capturable, **kw)
+                                lr=lr, betas=(0.9, 0.95), capturable=self.capturable, **kw)
         if not self.schedule:
             return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.max_steps))
+        if self.nemo_schedule:
+            sched: Any = WarmupCosineLR(opt, self.max_steps)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.max_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

@@ -119,6 +119,7 @@ def aggregate(runs: list[dict], baseline: str = "compile_ro") -> list[dict]:
                 "mfu": _mfu(flops, ms),
                 "floor_ms": floor, "over_floor": ms / floor if ms and floor else None,
                 "device_events_per_step": median(r.get("device_events_per_step") for r in ok),
+                "host_bound": median(r.get("gpu_idle_at_step_start") for r in ok),
                 "max_dloss_eager": 0.0 if v == EAGER and ok else d_eager, "first_diff_step": first_eager,
                 "dloss_eager_rounds": d_eager_rounds,
                 "loss_reference": loss_ref, "max_dloss_ref": d_ref, "first_diff_ref": first_ref,
@@ -208,6 +209,10 @@ def _f(x: Optional[float], fmt: str, none: str = "–") -> str:
     return format(x, fmt)
 
 
+def _pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{100 * x:.0f} %"
+
+
 def _dloss(d: Optional[float]) -> str:
     if d is None:
         return "–"
@@ -249,7 +254,8 @@ def setup_lines(data: dict) -> list[str]:
         f"- **Versions:** {env.get('gpu') or 'CPU'}, {vers or '–'}; NeMo 3.0.0's callback from its wheel.",
         f"- **Setup:** `{s['precision']}`, AdamW ({'fused' if s['optim'] == 'fused_adamw' else 'foreach'}, weight "
         f"decay 0.1 on >= 2-D weights), linear warm-up over the first tenth of the steps then cosine to 0.1 "
-        f"(`LambdaLR` stepped every step), gradient clipping {s['clip'] or 'off'}, seed {s['seed']}, {det}. One "
+        f"(`LambdaLR` stepped every step; NeMo's variant: the same schedule as a `_LRScheduler`, the only kind its "
+        f"callback accepts), gradient clipping {s['clip'] or 'off'}, seed {s['seed']}, {det}. One "
         f"process per variant and round, the variants alternating within each round; rounds: {s['rounds']}"
         f"{_lanes(s)}. "
         "ms/step: the timed window's wall time per step (a host sync at its two edges only), median over rounds.",
@@ -259,6 +265,9 @@ def setup_lines(data: dict) -> list[str]:
         "kernels, from `torch.profiler` over the run's last steps; no schedule of those kernels beats it. Floor "
         "differences: per kernel name (cut to 120 characters) the time per step of each side; inductor numbers its "
         "kernels per compile, so one fused kernel may carry other names in two compiled runs.",
+        "- **GPU waited for the host:** the share of timed steps at whose start the GPU had already finished the "
+        "previous step (an event polled, never waited on): near 100 % the step is host-bound, and its time over the "
+        "kernel floor is the host's per-step path (Lightning's loop, hooks, the replay's launches), not the graph.",
         "- **Peak memory:** `torch.cuda.max_memory_allocated()` of the run; '/ without graphs': over the same run "
         "without CUDA graphs (ours and NeMo's over eager, compile + ours and `reduce-overhead` over compile); "
         "`peak_over_eager`: the plugin's own figure, the graphed run's peak over its eager warm-up's.",
@@ -267,7 +276,7 @@ def setup_lines(data: dict) -> list[str]:
         "prepared as ours prepares it (`OptimizerPrep`: capturable AdamW, whose bias correction runs on the device, "
         "and the learning rate a device tensor), for compile + ours `torch.compile` with that optimizer, for "
         "`reduce-overhead` `torch.compile`. A row and its reference run the same kernels: 0 (bitwise) expected, "
-        "except NeMo's (its learning rate stays a float).",
+        "except NeMo's (its schedule writes its own fp32 learning-rate tensor).",
     ]
 
 
@@ -287,20 +296,21 @@ def workload_table(res: dict) -> list[str]:
             f"{res['tokens']:,} tokens per step, {_f(res['flops_per_step'] and res['flops_per_step'] / 1e12, '.3f')} "
             f"TFLOP per step; {res['why']}.", "",
             f"| variant | ms/step | rounds (ms) | / {base_label} (per round) | MFU | kernel floor (ms) | / floor "
-            "| max \\|Δloss\\| vs eager | vs its reference | peak GiB | / without graphs | `peak_over_eager` "
-            "| replays |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| GPU waited for the host | max \\|Δloss\\| vs eager | vs its reference | peak GiB | / without graphs "
+            "| `peak_over_eager` | replays |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = list(head)
     for _v, row in res["variants"].items():
         why = _state(row)
         if why:
-            lines.append(f"| {row['label']} | {why} |" + " |" * 11)
+            lines.append(f"| {row['label']} | {why} |" + " |" * 12)
             continue
         rounds = ", ".join(f"{row['ms_rounds'][k]:.2f}" for k in sorted(row["ms_rounds"]))
         ratio = ", ".join(f"{x:.3f}" for x in row["ratio_rounds"]) or "–"
         lines.append(
             f"| {row['label']} | {row['ms_per_step']:.2f} | {rounds} | {ratio} | {_f(row['mfu'] and 100 * row['mfu'], '.1f')} % | "
-            f"{_f(row['floor_ms'], '.2f')} | {_f(row['over_floor'], '.3f')} | {_dloss(row['max_dloss_eager'])} | "
+            f"{_f(row['floor_ms'], '.2f')} | {_f(row['over_floor'], '.3f')} | "
+            f"{_pct(row['host_bound'])} | {_dloss(row['max_dloss_eager'])} | "
             f"{_dloss_ref(row)} | "
             f"{_f(row['peak_gib'], '.2f')} | {_f(row['peak_over_reference'], '.3f')} | "
             f"{_f(row['peak_over_eager'], '.3f')} | {_f(row['replays'], '.0f')} |")

@@ -185,9 +185,13 @@ def execute(plan: list[dict], done: set[str], budget_s: float, child_timeout_s: 
             th.join()
 
 
-def load_resume(path: Optional[Path], settings: dict) -> tuple[list[dict], set[str]]:
-    """The records of an earlier run with the same settings and their keys; runs skipped for the budget or killed at
-    the child timeout (exit 124) are run again."""
+def load_resume(path: Optional[Path], settings: dict, gpu: Optional[str] = None) -> tuple[list[dict], set[str]]:
+    """The records of an earlier run with the same settings and their keys; runs that did not succeed (skipped for
+    the budget, killed at the child timeout, or failed) are run again.
+
+    ``gpu``: this machine's GPU name; runs timed on another GPU are refused, since one table compares its variants
+    as ratios and an H100's milliseconds beside an H200's would read as a speed-up or a loss of either.
+    """
     if path is None or not path.exists():
         return [], set()
     data = json.loads(path.read_text())
@@ -196,9 +200,13 @@ def load_resume(path: Optional[Path], settings: dict) -> tuple[list[dict], set[s
             if old.get(k) != settings.get(k)]
     if diff:
         raise SystemExit(f"--resume {path}: its runs used other settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)})")
-    keep = [r for r in data.get("runs", []) if not r.get("skipped") and r.get("rc") != 124]
+    keep = [r for r in data.get("runs", []) if r.get("ok")]
     if data.get("ceiling"):
         keep.append(data["ceiling"])
+    other = sorted({g for r in keep if (g := (r.get("env") or {}).get("gpu")) and g != gpu}) if gpu else []
+    if other:
+        raise SystemExit(f"--resume {path}: its runs were timed on {', '.join(other)}, this machine has {gpu}; "
+                         "one table holds one GPU's timings (run the whole table here, or resume on that GPU)")
     return keep, {r["key"] for r in keep if r.get("key")}
 
 

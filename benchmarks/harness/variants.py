@@ -62,8 +62,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             ours=True, reference="compile", loss_reference="compile_reference", options=(("fast_adam", False),)),
     Variant("nemo", "NeMo 3.0.0 callback",
             "NeMo 3.0.0's `CUDAGraphCallback(capture_iteration=12)` from its wheel, optimizer built with "
-            "`capturable=True` (NeMo needs it and does not set it; its learning rate stays a float): its loss "
-            "reference is eager with the optimizer prepared as ours, the nearest run without graphs", nemo=True,
+            "`capturable=True` and a device-tensor learning rate, the schedule an `_LRScheduler` subclass (NeMo "
+            "needs all three and sets none): its loss reference is eager with the optimizer prepared as ours, the "
+            "nearest run without graphs", nemo=True,
             loss_reference="reference"),
 )}
 
