@@ -193,7 +193,7 @@ def test_the_share_of_steps_in_which_the_gpu_waited_for_the_host_is_a_column_of_
     runs = [_run("eager", 0, 40.0, gpu_idle_at_step_start=0.0), _run("ours", 0, 12.0, gpu_idle_at_step_start=0.97),
             _run("compile", 0, 20.0), {**_run("compile_ours", 0, None, ok=False), "skipped": True}]
     res = _one(runs)
-    assert res["variants"]["ours"]["host_bound"] == pytest.approx(0.97)
+    assert res["variants"]["ours"]["gpu_idle_at_step_start"] == pytest.approx(0.97)
     table = [line for line in report.workload_table(res) if line.startswith("|")]
     head = table[0].split(" | ")
     col = head.index("GPU waited for the host")

@@ -119,7 +119,7 @@ def aggregate(runs: list[dict], baseline: str = "compile_ro") -> list[dict]:
                 "mfu": _mfu(flops, ms),
                 "floor_ms": floor, "over_floor": ms / floor if ms and floor else None,
                 "device_events_per_step": median(r.get("device_events_per_step") for r in ok),
-                "host_bound": median(r.get("gpu_idle_at_step_start") for r in ok),
+                "gpu_idle_at_step_start": median(r.get("gpu_idle_at_step_start") for r in ok),
                 "max_dloss_eager": 0.0 if v == EAGER and ok else d_eager, "first_diff_step": first_eager,
                 "dloss_eager_rounds": d_eager_rounds,
                 "loss_reference": loss_ref, "max_dloss_ref": d_ref, "first_diff_ref": first_ref,
@@ -310,7 +310,7 @@ def workload_table(res: dict) -> list[str]:
         lines.append(
             f"| {row['label']} | {row['ms_per_step']:.2f} | {rounds} | {ratio} | {_f(row['mfu'] and 100 * row['mfu'], '.1f')} % | "
             f"{_f(row['floor_ms'], '.2f')} | {_f(row['over_floor'], '.3f')} | "
-            f"{_pct(row['host_bound'])} | {_dloss(row['max_dloss_eager'])} | "
+            f"{_pct(row['gpu_idle_at_step_start'])} | {_dloss(row['max_dloss_eager'])} | "
             f"{_dloss_ref(row)} | "
             f"{_f(row['peak_gib'], '.2f')} | {_f(row['peak_over_reference'], '.3f')} | "
             f"{_f(row['peak_over_eager'], '.3f')} | {_f(row['replays'], '.0f')} |")
