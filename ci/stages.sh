@@ -3,6 +3,8 @@
 #
 #   ci/stages.sh lint          ruff on the package, recipes, tests, benchmarks and ci/
 #   ci/stages.sh unit          CPU tests (not gpu, not nemo) in .venv          -> build/reports/unit.xml
+#   ci/stages.sh transformers4 the same CPU tests on transformers 4.57 (the zoo-transformers4 extra) in
+#                              .venv-transformers4                              -> build/reports/transformers4.xml
 #   ci/stages.sh mutants       ci/mutants.py --tier cpu in .venv: planted breaks the tests must catch
 #   ci/stages.sh nemo          NeMo 2.7.3 recipe tests in .venv-nemo, and the  -> build/reports/nemo.xml
 #                              Lightning adapter's tests on its Lightning 2.4.0; then ci/mutants.py --tier nemo
@@ -22,7 +24,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-STAGES=(lint unit mutants nemo gpu convergence bench)
+STAGES=(lint unit transformers4 mutants nemo gpu convergence bench)
 PYTHON="${PYTHON:-python3}"
 REPORTS_DIR="${REPORTS_DIR:-$ROOT/build/reports}"
 TORCH_PIN="torch==2.13.0"  # also ci/setup-venv.sh's default (TORCH_SPEC)
@@ -85,10 +87,24 @@ stage_lint() {
 stage_unit() {
     unit_venv
     say "the NeMo recipe tests (marker nemo) are deselected here: they run in the nemo stage, on real NeMo"
+    cpu_tests unit
+}
+
+# cpu_tests NAME: the CPU test selection in $PY, with transformers' version said first.
+cpu_tests() {
+    say "transformers $("$PY" -c 'import transformers; print(transformers.__version__)' 2>&1 | tail -n 1)"
     # NCG_REQUIRE_PLOT=1: the PNG tests fail instead of skipping if matplotlib did not install.
     # NCG_REQUIRE_ZOO=1: the Hugging Face tests fail instead of skipping if transformers did not install.
     # NCG_REQUIRE_TRITON=1: the kernel tests in Triton's interpreter fail instead of skipping without Triton.
-    NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 NCG_REQUIRE_TRITON=1 run_pytest unit "$PY" -m "not gpu and not nemo"
+    NCG_REQUIRE_PLOT=1 NCG_REQUIRE_ZOO=1 NCG_REQUIRE_TRITON=1 run_pytest "$1" "$PY" -m "not gpu and not nemo"
+}
+
+# The unit stage's tests on the older transformers users still train with (4.57: no experts interface, the mask code
+# before 5), so that neither version breaks unnoticed.
+stage_transformers4() {
+    PYTHON="$PYTHON" TORCH_SPEC="$TORCH_PIN" bash ci/setup-venv.sh .venv-transformers4 "test,plot,zoo-transformers4"
+    PY=.venv-transformers4/bin/python
+    cpu_tests transformers4
 }
 
 # Planted breaks (mutants) of the product code, each of which the CPU tests must catch; ci/mutants.py exits
@@ -165,7 +181,7 @@ main() {
     fi
     case "$1" in
         --list) printf '%s\n' "${STAGES[@]}"; return 0 ;;
-        lint | unit | mutants | nemo | gpu | convergence | bench) ;;
+        lint | unit | transformers4 | mutants | nemo | gpu | convergence | bench) ;;
         *)
             echo "ci/stages.sh: unknown stage '$1'; stages: ${STAGES[*]}" >&2
             return 2

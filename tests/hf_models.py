@@ -45,12 +45,48 @@ def gpt2(hidden: int = 64, layers: int = 2, heads: int = 4, **kw: Any) -> Any:
                                    attn_implementation="sdpa", **kw)
 
 
-def mixtral(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, **kw: Any) -> Any:
-    """Mixtral: top-2 routing over 4 experts."""
+def mixtral(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 4,
+            **kw: Any) -> Any:
+    """Mixtral: top-2 routing over ``experts`` experts."""
     return transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=kv_heads, num_local_experts=4, num_experts_per_tok=2,
+                                      num_key_value_heads=kv_heads, num_local_experts=experts, num_experts_per_tok=2,
                                       max_position_embeddings=2048, attn_implementation="sdpa", **kw)
+
+
+def qwen3_moe(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 8,
+              **kw: Any) -> Any:
+    """Qwen3-MoE: top-2 of ``experts`` fine-grained experts in every layer, q/k norms."""
+    return transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                       moe_intermediate_size=hidden, num_hidden_layers=layers,
+                                       num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                       head_dim=hidden // heads, num_experts=experts, num_experts_per_tok=2,
+                                       decoder_sparse_step=1, max_position_embeddings=2048,
+                                       attn_implementation="sdpa", **kw)
+
+
+def qwen2_moe(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, experts: int = 8,
+              **kw: Any) -> Any:
+    """Qwen2-MoE: top-2 of ``experts`` routed experts plus a gated shared expert."""
+    return transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                       moe_intermediate_size=hidden, shared_expert_intermediate_size=2 * hidden,
+                                       num_hidden_layers=layers, num_attention_heads=heads,
+                                       num_key_value_heads=kv_heads, num_experts=experts, num_experts_per_tok=2,
+                                       decoder_sparse_step=1, max_position_embeddings=2048,
+                                       attn_implementation="sdpa", **kw)
+
+
+def deepseek_v3(hidden: int = 64, layers: int = 2, heads: int = 4, experts: int = 8, **kw: Any) -> Any:
+    """DeepSeek-V3, small: multi-head latent attention, a dense first layer, then group-limited top-2 routing over
+    ``experts`` experts (2 groups) with a shared expert."""
+    return transformers.DeepseekV3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         moe_intermediate_size=hidden, num_hidden_layers=layers,
+                                         num_attention_heads=heads, num_key_value_heads=heads,
+                                         n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                         n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=hidden // 2,
+                                         kv_lora_rank=hidden // 2, qk_rope_head_dim=hidden // heads // 2,
+                                         qk_nope_head_dim=hidden // heads // 2, v_head_dim=hidden // heads,
+                                         max_position_embeddings=2048, attn_implementation="sdpa", **kw)
 
 
 class HFCausalLM(pl.LightningModule):
@@ -64,15 +100,19 @@ class HFCausalLM(pl.LightningModule):
         prepare: called with the model in ``configure_model`` (e.g. gradient checkpointing).
         fused: a fused AdamW (Lightning refuses clipping with a fused optimizer under mixed precision); else
             torch's default implementation.
+        experts: the MoE experts implementation the model is built with (transformers 5's
+            ``experts_implementation``; ``None``: HF's default).
     """
 
     def __init__(self, config: Any, lr: float = 2.0**-10, padded: bool = False, use_cache: Optional[bool] = False,
                  compile_kw: Optional[dict] = None, prepare: Optional[Callable[[Any], None]] = None,
-                 seed: int = 0, schedule: bool = False, max_steps: int = 100, fused: bool = True) -> None:
+                 seed: int = 0, schedule: bool = False, max_steps: int = 100, fused: bool = True,
+                 experts: Optional[str] = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
+        kw = {"experts_implementation": experts} if experts is not None else {}
         self.model = transformers.AutoModelForCausalLM.from_config(config.__class__.from_dict(config.to_dict()),
-                                                                   attn_implementation="sdpa")
+                                                                   attn_implementation="sdpa", **kw)
         self.lr, self.padded, self.use_cache, self.schedule, self.max_steps = lr, padded, use_cache, schedule, max_steps
         self.compile_kw, self.prepare, self.fused = compile_kw, prepare, fused
 
@@ -119,14 +159,16 @@ class TokenBatches(Dataset):
     """``n`` batches of ``batch`` x ``seq`` random tokens (one item per batch: use ``batch_size=None``).
 
     ``pad``: right padding of a varying number of tokens in every row but the first (``attention_mask`` 0 there,
-    labels -100), so each batch pads differently.
+    labels -100), so each batch pads differently. ``skew``: every other batch draws its tokens from 4 token ids only,
+    so a mixture-of-experts router sends its tokens to few experts, while the batches between spread them.
     """
 
-    def __init__(self, n: int, batch: int = 2, seq: int = 32, pad: bool = False, seed: int = 0) -> None:
+    def __init__(self, n: int, batch: int = 2, seq: int = 32, pad: bool = False, seed: int = 0,
+                 skew: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.items = []
         for i in range(n):
-            ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+            ids = torch.randint(0, 4 if skew and i % 2 else VOCAB, (batch, seq), generator=g)
             mask = torch.ones(batch, seq, dtype=torch.long)
             if pad:
                 for r in range(1, batch):

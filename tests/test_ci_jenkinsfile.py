@@ -31,6 +31,7 @@ import check_convergence  # noqa: E402  (ci/ is not a package)
 EXPECTED = {
     "Lint": "lint",
     "CPU unit tests": "unit",
+    "CPU unit tests, transformers 4.57": "transformers4",
     "Mutants": "mutants",
     "NeMo recipe": "nemo",
     "GPU tests": "gpu",
@@ -38,7 +39,8 @@ EXPECTED = {
     "Benchmark": "bench",
 }
 GPU_STAGES = {"GPU tests", "Convergence", "Benchmark"}
-PYTEST_STAGES = {"CPU unit tests": "unit", "NeMo recipe": "nemo", "GPU tests": "gpu"}
+PYTEST_STAGES = {"CPU unit tests": "unit", "CPU unit tests, transformers 4.57": "transformers4", "NeMo recipe": "nemo",
+                 "GPU tests": "gpu"}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -202,7 +204,9 @@ def test_junit_published_for_every_pytest_stage_at_the_path_stages_sh_writes():
         if name in PYTEST_STAGES:
             assert post and post[0].one("always"), f"{name}: junit must be published even when tests fail"
             assert junit == [f"junit allowEmptyResults: false, testResults: 'build/reports/{PYTEST_STAGES[name]}.xml'"]
-            assert f"run_pytest {PYTEST_STAGES[name]} " in text
+            # directly, or through cpu_tests NAME (the unit selection, run_pytest "$1")
+            n = PYTEST_STAGES[name]
+            assert f"run_pytest {n} " in text or (f"cpu_tests {n}\n" in text and 'run_pytest "$1" ' in text)
         else:
             assert not junit, name
 
@@ -219,7 +223,7 @@ def test_benchmark_stage_archives_its_json():
 
 def test_stages_sh_syntax_list_and_unknown_stage():
     assert subprocess.run(["bash", "-n", str(STAGES_SH)], timeout=30).returncode == 0
-    assert _script_stages() == ["lint", "unit", "mutants", "nemo", "gpu", "convergence", "bench"]
+    assert _script_stages() == ["lint", "unit", "transformers4", "mutants", "nemo", "gpu", "convergence", "bench"]
     bad = subprocess.run(["bash", str(STAGES_SH), "deploy"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown stage 'deploy'" in bad.stderr
     assert subprocess.run(["bash", str(STAGES_SH)], capture_output=True, timeout=30).returncode == 2
@@ -230,7 +234,7 @@ def test_ci_run_runs_the_cpu_stages_with_the_same_commands():
     text = CI_RUN.read_text()
     assert subprocess.run(["bash", "-n", str(CI_RUN)], timeout=30).returncode == 0
     cpu = [s for n, s in EXPECTED.items() if n not in GPU_STAGES]
-    assert cpu == ["lint", "unit", "mutants", "nemo"]
+    assert cpu == ["lint", "unit", "transformers4", "mutants", "nemo"]
     assert re.search(rf"^CPU_STAGES=\({' '.join(cpu)}\)$", text, re.M), "the Jenkinsfile's CPU stages, in order"
     assert text.count('for stage in "${CPU_STAGES[@]}"; do') == 2  # run them all, and list them all
     assert 'bash ci/stages.sh "$stage"' in text
@@ -297,6 +301,26 @@ def test_unit_stage_treats_pytest_exit_5_as_failure(tmp_path, pytest_rc, stage_r
         assert "collected no test for stage 'unit' (exit 5)" in out.stdout
     if stage_rc:
         assert "FAILED (exit" in out.stdout
+
+
+@pytest.mark.parametrize("pytest_rc, stage_rc", [(0, 0), (5, 1)])
+def test_transformers4_stage_runs_the_unit_selection_on_transformers_4_in_its_own_venv(tmp_path, pytest_rc, stage_rc):
+    script = _copy_script(tmp_path)
+    _fake_python(tmp_path / ".venv-transformers4" / "bin" / "python",
+                 f'if [ "$2" = pytest ]; then echo "NCG_REQUIRE_ZOO=$NCG_REQUIRE_ZOO $@" > "{tmp_path}/pytest.args"; '
+                 f'exit {pytest_rc}; fi\nif [ "$1" = -c ]; then echo 4.57.6; exit 0; fi\n'
+                 f'echo "$@" >> "{tmp_path}/calls"; exit 0\n')
+    out = subprocess.run(["bash", str(script), "transformers4"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHON": "false"})
+    assert out.returncode == stage_rc, out.stdout + out.stderr
+    args = (tmp_path / "pytest.args").read_text()
+    assert args.startswith("NCG_REQUIRE_ZOO=1 ") and "-m pytest -m not gpu and not nemo" in args
+    assert f"--junitxml={tmp_path}/build/reports/transformers4.xml" in args
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "-m pip install --progress-bar off -e .[test,plot,zoo-transformers4]" in calls
+    assert "transformers 4.57.6" in out.stdout
+    if pytest_rc == 5:
+        assert "collected no test for stage 'transformers4' (exit 5)" in out.stdout
 
 
 @pytest.mark.parametrize("mutants_rc", [0, 3])

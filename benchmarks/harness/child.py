@@ -152,18 +152,20 @@ def make_prepared_eager(notes: list[str]) -> Any:
     import lightning.pytorch as pl
 
     from nemo_cudagraph_plugin.core.optim import OptimizerPrep
-    from nemo_cudagraph_plugin.hf import graph_safe_attention, restore_attention
+    from nemo_cudagraph_plugin.hf import graph_safe_attention, graph_safe_experts, restore_attention, restore_experts
 
     class PreparedEager(pl.Callback):
         def __init__(self) -> None:
             self.prep: Optional[OptimizerPrep] = None
             self.switched: list[str] = []
+            self.experts: list[tuple[str, str]] = []
 
         def on_train_start(self, trainer, pl_module):
             if pl_module.device.type != "cuda":
                 notes.append("CPU: the optimizer trains unprepared (capturable AdamW needs CUDA parameters)")
                 return
             self.switched = graph_safe_attention(pl_module)
+            self.experts = graph_safe_experts(pl_module)  # the experts ours switches to, for the same kernels
             self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device)
             self.prep.apply()
 
@@ -178,6 +180,9 @@ def make_prepared_eager(notes: list[str]) -> Any:
             if self.switched:
                 restore_attention(pl_module, self.switched)
                 self.switched = []
+            if self.experts:
+                restore_experts(pl_module, self.experts)
+                self.experts = []
 
     return PreparedEager()
 

@@ -1,7 +1,7 @@
 """The harness's LightningModule, its data and optimizer: what a user of Lightning writes, nothing about graphs.
 
-One module for both kinds of workload: a Hugging Face ``LlamaForCausalLM`` built from a config (its own loss from
-``labels``) or the recipe's GPT (``recipes/gpt.py``, :func:`recipes.gpt.gpt_loss`). ``training_step`` returns the loss
+One module for every kind of workload: a Hugging Face ``LlamaForCausalLM`` or ``Qwen3MoeForCausalLM`` built from a
+config (its own loss from ``labels``; the MoE model's includes the router's auxiliary loss) or the recipe's GPT (``recipes/gpt.py``, :func:`recipes.gpt.gpt_loss`). ``training_step`` returns the loss
 and logs it (no progress bar: a progress-bar metric reads the loss on the host every step); ``configure_optimizers``
 gives AdamW (weight decay on >= 2-D weights) and a ``LambdaLR`` stepped every step: linear warm-up over the first
 tenth of the steps, then cosine decay to a tenth of the peak. NeMo's variant gets the same schedule as a
@@ -32,6 +32,16 @@ def build_model(w: Workload) -> nn.Module:
                                        num_hidden_layers=w.layers, num_attention_heads=w.heads,
                                        num_key_value_heads=w.kv_heads, max_position_embeddings=max(2048, w.seq))
         return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    if w.kind == "moe":
+        import transformers
+
+        cfg = transformers.Qwen3MoeConfig(vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate
+                                          or 4 * w.hidden, moe_intermediate_size=w.expert_intermediate,
+                                          num_hidden_layers=w.layers, num_attention_heads=w.heads,
+                                          num_key_value_heads=w.kv_heads, head_dim=w.hidden // w.heads,
+                                          num_experts=w.experts, num_experts_per_tok=w.top_k, decoder_sparse_step=1,
+                                          output_router_logits=True, max_position_embeddings=max(2048, w.seq))
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if w.kind == "gpt":
         return GPT(gpt_config(w))
     raise ValueError(f"unknown workload kind {w.kind!r}")
@@ -45,13 +55,21 @@ def gpt_config(w: Workload) -> Any:
 
 def param_counts(model: nn.Module) -> tuple[int, int]:
     """(all parameters, parameters that multiply activations): the second leaves out the embedding tables, except
-    an LM head tied to one (it is a matmul, counted once)."""
+    an LM head tied to one (it is a matmul, counted once), and of each mixture-of-experts layer counts the experts a
+    token is routed to (``top_k`` of them), not all."""
     unique = {id(p): p for p in model.parameters()}
     total = sum(p.numel() for p in unique.values())
     tables = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "head", None)
     tied = head is not None and id(head.weight) in tables
-    return total, total - sum(tables.values()) + (head.weight.numel() if tied else 0)
+    config = getattr(model, "config", None)
+    experts, top_k = getattr(config, "num_experts", 0) or 0, getattr(config, "num_experts_per_tok", 0) or 0
+    idle = 0
+    if experts and top_k:
+        expert_weights = sum(p.numel() for m in model.modules() if type(m).__name__.endswith("Experts")
+                             for p in m.parameters(recurse=False))
+        idle = expert_weights * (experts - top_k) // experts
+    return total, total - sum(tables.values()) + (head.weight.numel() if tied else 0) - idle
 
 
 def lr_lambda(steps: int) -> Any:
@@ -126,7 +144,7 @@ class BenchLM(pl.LightningModule):
     def loss(self, batch: dict) -> torch.Tensor:
         if self.workload.kind == "gpt":
             return gpt_loss(self.model(batch["input_ids"]), batch["labels"])
-        return self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss  # llama, moe
 
     def training_step(self, batch: dict, batch_idx: Optional[int] = None) -> torch.Tensor:
         # batch_idx optional: NeMo's callback calls training_step(batch)

@@ -16,8 +16,9 @@ PEAK_BF16_TFLOPS = 989.4
 class Workload:
     """One row group of the table.
 
-    ``kind`` is ``"llama"`` (Hugging Face ``LlamaForCausalLM`` built from a config, nothing downloaded) or ``"gpt"``
-    (a preset of ``recipes/gpt.py``). The run trains ``steps`` steps, times ``measure_from`` to
+    ``kind`` is ``"llama"`` (Hugging Face ``LlamaForCausalLM`` built from a config, nothing downloaded), ``"moe"``
+    (Hugging Face ``Qwen3MoeForCausalLM``, a mixture of ``experts`` experts of width ``expert_intermediate``, ``top_k``
+    of them per token, in every layer; transformers 5) or ``"gpt"`` (a preset of ``recipes/gpt.py``). The run trains ``steps`` steps, times ``measure_from`` to
     ``steps - profile_steps - 1`` (a host sync at the window's two edges only) and profiles the last
     ``profile_steps`` for the kernel floor.
     """
@@ -33,6 +34,9 @@ class Workload:
     batch: int
     seq: int
     intermediate: int = 0  # llama: the MLP width; gpt: 4 x hidden
+    experts: int = 0  # moe: routed experts per layer
+    top_k: int = 0  # moe: experts per token
+    expert_intermediate: int = 0  # moe: each expert's MLP width
     preset: str = ""  # gpt: the recipe's preset
     steps: int = 120
     measure_from: int = 50
@@ -69,6 +73,17 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                  "tokens (64 GPUs × 4 × 2048) without accumulation, and 4 sequences of 2048 keep the GPU's matmuls "
                  "large with room for bf16-mixed AdamW state (16 bytes a parameter) and activations",
              est_step_ms=260.0, est_compile_s=80.0, est_build_s=10.0),
+    Workload("qwen3moe1b-2x512", "HF Qwen3-MoE 1.1 B (32 experts, top-4), batch 2 × 512", "moe", hidden=1024,
+             layers=16, heads=16, kv_heads=4, vocab=32000, experts=32, top_k=4, expert_intermediate=640, batch=2,
+             seq=512, steps=120, measure_from=50, bound="host",
+             why="host-bound: 16 mixture-of-experts layers launch their routing, grouped GEMMs and gathers for 1,024 "
+                 "tokens, less GPU work than eager Lightning's host path",
+             est_step_ms=80.0, est_compile_s=90.0, est_build_s=8.0),
+    Workload("qwen3moe1b-8x1024", "HF Qwen3-MoE 1.1 B (32 experts, top-4), batch 8 × 1024", "moe", hidden=1024,
+             layers=16, heads=16, kv_heads=4, vocab=32000, experts=32, top_k=4, expert_intermediate=640, batch=8,
+             seq=1024, steps=80, measure_from=30,
+             why="GPU-bound: 8,192 tokens, about 1,000 per expert and layer (top-4 of 32)",
+             est_step_ms=120.0, est_compile_s=90.0, est_build_s=8.0),
     Workload("gpt-tiny", "GPT tiny (recipes/gpt.py: 4 layers, d 256, seq 256, batch 2)", "gpt", hidden=256, layers=4,
              heads=4, kv_heads=4, vocab=256, batch=2, seq=256, preset="tiny", steps=200, measure_from=80,
              nemo=True, bound="host", why="host-bound", est_step_ms=10.0, est_compile_s=25.0),
@@ -82,23 +97,27 @@ DEFAULT_WORKLOADS = list(WORKLOADS)
 
 def dry_run(w: Workload) -> Workload:
     """The CPU smoke shape of ``w``: same kind and variants, tiny widths, three steps (nothing timed)."""
-    small = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2 if w.kind == "llama" else 4, "batch": 2, "seq": 32,
-             "intermediate": 128 if w.kind == "llama" else 0, "vocab": 512 if w.kind == "llama" else 256,
-             "steps": 3, "measure_from": 1, "profile_steps": 1}
+    hf = w.kind in ("llama", "moe")
+    small = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2 if hf else 4, "batch": 2, "seq": 32,
+             "intermediate": 128 if hf else 0, "vocab": 512 if hf else 256, "steps": 3, "measure_from": 1,
+             "profile_steps": 1}
+    if w.kind == "moe":
+        small.update(experts=4, top_k=2, expert_intermediate=64)
     return replace(w, title=f"{w.title} (dry run: d 64, 2 layers, batch 2 × 32)", **small)
 
 
 def model_flops_per_step(n_matmul_params: int, layers: int, hidden: int, batch: int, seq: int) -> float:
     """Model FLOPs of one training step (forward and backward), the usual MFU count:
     ``6 · N · tokens`` for the matmuls with the weights (N: the parameters that multiply activations, i.e. all but
-    the input embedding tables; a tied LM head counts once) plus ``6 · layers · seq² · hidden`` per sequence for
+    the input embedding tables; a tied LM head counts once; of a mixture of experts, the active ones: ``top_k`` of
+    ``experts`` experts and the router) plus ``6 · layers · seq² · hidden`` per sequence for
     causal attention's score and value matmuls (``12 · layers · seq² · hidden`` for full attention, halved by the
     causal mask). Recomputation, optimizer and elementwise work are not counted."""
     return 6.0 * n_matmul_params * batch * seq + 6.0 * layers * seq * seq * hidden * batch
 
 
 FLOPS_FORMULA = ("6 · N · tokens + 6 · layers · seq² · hidden · batch (N: parameters that multiply activations, "
-                 "input embeddings excluded)")
+                 "input embeddings excluded; of mixture-of-experts layers the active ones, top-k of the experts)")
 
 
 def mfu(flops_per_step: Optional[float], ms_per_step: Optional[float],

@@ -76,6 +76,13 @@ class CaptureConfig:
             ``attention_mask`` on the host (HF asks the host whether a batch pads anything, which no graph can
             capture): padded batches then train as graphs, exactly as with ``"sdpa"``
             (:mod:`nemo_cudagraph_plugin.hf`). Applied only when the step is graphed. ``"as_is"``: leave them.
+        hf_experts: ``"graph_safe"``: Hugging Face mixture-of-experts models (transformers 5: Mixtral, Qwen2-MoE,
+            Qwen3-MoE, DeepSeek-V3, ...) whose experts run HF's ``"eager"``, ``"grouped_mm"`` or ``"batched_mm"``
+            implementation are switched, before the first step, to HF's grouped-GEMM experts on weights cast to the
+            autocast dtype (as autocast runs an ``nn.Linear``), whose offsets stay on the device: every token routed,
+            no capacity. Where no grouped GEMM captures (``32-true``) HF's batched-GEMM experts run. Applied only
+            when the step is graphed, given back after ``fit`` (:mod:`nemo_cudagraph_plugin.hf`). ``"as_is"``: leave
+            them (the FP32 grouped GEMM of ``bf16-mixed`` and the ``"eager"`` experts read the host and are refused).
         fast_adam: a captured capturable ``torch.optim.Adam``/``AdamW`` step computes its bias corrections once per
             param group instead of once per parameter, and divides by them with one multi-tensor kernel each instead
             of one kernel per parameter (torch's capturable update falls back to those, about 1.2 ms of an 8 ms
@@ -104,6 +111,7 @@ class CaptureConfig:
     memsets_as_kernels: bool = True
     io_in_graph: bool = True
     hf_attention: Literal["graph_safe", "as_is"] = "graph_safe"
+    hf_experts: Literal["graph_safe", "as_is"] = "graph_safe"
     fast_adam: bool = True
 
     def __post_init__(self) -> None:
@@ -169,6 +177,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "memsets_as_kernels": (lambda v: isinstance(v, bool), "use True or False"),
     "io_in_graph": (lambda v: isinstance(v, bool), "use True or False"),
     "hf_attention": (lambda v: v in ("graph_safe", "as_is"), "use 'graph_safe' or 'as_is'"),
+    "hf_experts": (lambda v: v in ("graph_safe", "as_is"), "use 'graph_safe' or 'as_is'"),
     "fast_adam": (lambda v: isinstance(v, bool), "use True or False"),
 }
 

@@ -85,21 +85,41 @@ CAPTURE_RULES: dict[str, tuple[str, str]] = {
 }
 
 
-# Host reads inside installed model libraries that users meet: (path suffix, what the library does there, what to
-# change). The message names the library's line next to the user's one, and says this instead of a generic fix.
-KNOWN_LIBRARY_SITES: tuple[tuple[str, str, str], ...] = (
-    ("transformers/masking_utils.py",
+# Host reads inside installed model libraries that users meet: (path pattern, function or "" for any, what the library
+# does there, what to change). The message names the library's line next to the user's one, and says this instead of
+# a generic fix. The first entry that matches the innermost library frame wins.
+_HF_MOE_FILES = r"transformers/models/[^/]*(moe|mixtral|deepseek|gpt_oss|dbrx|jamba|granitemoe|minimax)[^/]*/modeling_[^/]+\.py$"
+KNOWN_LIBRARY_SITES: tuple[tuple[str, str, str, str], ...] = (
+    (r"transformers/masking_utils\.py$", "find_packed_sequence_indices",
+     "Hugging Face asks the host whether the position_ids pack several sequences into a row (passed without an "
+     "attention_mask)",
+     "pass an attention_mask with the position_ids, or leave position_ids out when each row is one sequence "
+     "(the model numbers the tokens itself)"),
+    (r"transformers/masking_utils\.py$", "",
      "Hugging Face asks the host whether the attention_mask pads anything (to use SDPA's is_causal)",
      "keep hf_attention='graph_safe' (the default of CudaGraphCallback and CudaGraphStrategy), or call "
      "nemo_cudagraph_plugin.hf.graph_safe_attention(model) before training when you capture by other means"),
-    ("transformers/cache_utils.py",
+    (r"transformers/cache_utils\.py$", "",
      "the model builds a KV cache (use_cache=True) inside the training step",
      "pass use_cache=False to the model in training_step, or set model.config.use_cache = False for training"),
-    ("transformers/models/mixtral/modeling_mixtral.py",
-     "Mixtral's MoE routing gathers each expert's tokens, a number that depends on the data",
-     "a whole-step graph cannot hold data-dependent shapes: use a mixture-of-experts layer with a fixed token "
-     "capacity per expert"),
+    (r"transformers/integrations/moe\.py$", "",
+     "the mixture-of-experts layer runs Hugging Face's experts in a form that reads the host (an FP32 grouped GEMM "
+     "copies its offsets to the host; under torch.compile a loop over offs.tolist())",
+     "keep hf_experts='graph_safe' (the default of CudaGraphCallback and CudaGraphStrategy): the experts then run "
+     "as grouped GEMMs in the autocast dtype with their offsets on the device"),
+    (_HF_MOE_FILES, "",
+     "the mixture-of-experts layer gathers each expert's tokens, a number that depends on the data",
+     "on transformers >= 5 keep hf_experts='graph_safe' (the default of CudaGraphCallback and CudaGraphStrategy), "
+     "which runs every expert as one grouped GEMM with no host read; transformers 4.x has no experts interface, "
+     "so upgrade to transformers 5, or use a mixture-of-experts layer with a fixed token capacity per expert"),
 )
+
+
+def _known_site(path: str, function: str) -> Optional[tuple[str, str]]:
+    """(what the library does, what to change) for a library frame, from :data:`KNOWN_LIBRARY_SITES`."""
+    return next(((did, fix) for pattern, fn, did, fix in KNOWN_LIBRARY_SITES
+                 if re.search(pattern, path) and fn in ("", function)), None)
+
 
 _SYNC_MARKERS = (
     "synchronizing cuda operation",
@@ -250,7 +270,7 @@ def capture_error_from(exc: BaseException, what: str) -> CaptureError:
     inside = ""
     if site is not None:
         path = site.filename.replace(os.sep, "/")
-        known = next(((d, f) for suffix, d, f in KNOWN_LIBRARY_SITES if path.endswith(suffix)), None)
+        known = _known_site(path, site.name)
         if known is not None:
             did, fix = known
         inside = f"\n  Inside: {site.filename}:{site.lineno} (`{(site.line or '').strip()}`)"

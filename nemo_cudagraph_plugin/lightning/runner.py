@@ -38,7 +38,14 @@ from ..core.module_state import ModuleStateWatch
 from ..core.nan_guard import NanGuard, NanPolicy
 from ..core.optim import OptimizerPrep, ParamGroupWatch, portable_optimizer_state
 from ..core.rng import GeneratorRegistry
-from ..hf import SDPA_GRAPH_SAFE, graph_safe_attention, restore_attention
+from ..hf import (
+    EXPERTS_GRAPH_SAFE,
+    SDPA_GRAPH_SAFE,
+    graph_safe_attention,
+    graph_safe_experts,
+    restore_attention,
+    restore_experts,
+)
 from . import _compat
 from .checks import Refusal, check_single_owner, device_refusal, optimizer_refusal, setup_refusal
 from .logs import StepLogs
@@ -166,6 +173,11 @@ class LightningStepRunner:
             rank_zero_info(f"{self.owner}: Hugging Face attention {SDPA_GRAPH_SAFE!r} (SDPA without a host read of "
                            f"the attention mask) for {', '.join(n or type(pl_module).__name__ for n in switched)}"
                            " until the end of fit")
+        if self.config.hf_experts == "graph_safe" and (experts := graph_safe_experts(pl_module)):
+            self._undo.callback(restore_experts, pl_module, experts)
+            rank_zero_info(f"{self.owner}: Hugging Face experts {EXPERTS_GRAPH_SAFE!r} (grouped GEMMs in the autocast "
+                           "dtype, offsets on the device) for "
+                           f"{', '.join(n or type(pl_module).__name__ for n, _ in experts)} until the end of fit")
         optimizer = trainer.optimizers[0]
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}

@@ -8,7 +8,11 @@ unmodified optimizer, eager and graphed ms/step, and peak memory both ways; the 
 written to ``$NCG_ZOO_REPORT`` (markdown) when set.
 
 Models are built from configs (``tests/hf_models.py``; nothing is downloaded): Llama (GQA, RoPE, SwiGLU), Qwen2
-(tied embeddings, q/k/v bias), GPT-2 (dropout on), Mixtral (MoE routing).
+(tied embeddings, q/k/v bias), GPT-2 (dropout on), and on transformers 5 the mixture-of-experts models Mixtral,
+Qwen3-MoE, Qwen2-MoE (shared expert) and DeepSeek-V3 (latent attention, group-limited routing), each with the router's
+auxiliary loss in the step. A mixture-of-experts reference runs the experts the graphed run switches to
+(``graph_safe_experts``); the difference from the user's own experts is the ``dloss_plain`` column. On transformers 4.x
+Mixtral is refused, naming the version that graphs it.
 """
 
 from __future__ import annotations
@@ -25,11 +29,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from _lightning_utils import CapturableEager
-from hf_models import HFCausalLM, TokenBatches, gpt2, llama, mixtral, qwen2
+from hf_models import (
+    HFCausalLM,
+    TokenBatches,
+    deepseek_v3,
+    gpt2,
+    llama,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3_moe,
+    transformers,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from nemo_cudagraph_plugin import CaptureError, CudaGraphCallback, CudaGraphStrategy
+from nemo_cudagraph_plugin.hf import graph_safe_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +65,8 @@ class Case:
     # torch.use_deterministic_algorithms for every run: inductor then falls back to deterministic kernels for its
     # atomic scatter-adds (the embedding's backward), without which two compiled eager runs already differ
     deterministic: bool = False
+    # every other batch draws from 4 token ids (the router sends it to few experts) between uniform ones
+    skew: bool = False
 
 
 def _ckpt(model: Any) -> None:
@@ -73,14 +91,30 @@ CASES: dict[str, Case] = {
                                 trainer_kw={"gradient_clip_val": 1.0}),
     "llama-ddp-1-rank": Case(lambda: llama(kv_heads=4, **_size()), strategy=lambda: CudaGraphStrategy("ddp")),
 }
-REFUSED: dict[str, tuple[Case, str]] = {
+TF5 = int(transformers.__version__.split(".")[0]) >= 5
+MOE_SIZE = {"hidden": 256, "layers": 4, "heads": 8, "experts": 8, "output_router_logits": True}
+if TF5:
+    CASES.update({
+        "mixtral": Case(lambda: mixtral(kv_heads=4, **MOE_SIZE), skew=True),
+        "mixtral-bf16-true": Case(lambda: mixtral(kv_heads=4, **MOE_SIZE), trainer_kw={"precision": "bf16-true"}),
+        "mixtral-32-true": Case(lambda: mixtral(kv_heads=4, **MOE_SIZE), trainer_kw={"precision": "32-true"}),
+        "mixtral-compile": Case(lambda: mixtral(kv_heads=4, **MOE_SIZE), {"compile_kw": {}}, deterministic=True),
+        "qwen3-moe": Case(lambda: qwen3_moe(kv_heads=4, **MOE_SIZE), skew=True),
+        "qwen3-moe-compile": Case(lambda: qwen3_moe(kv_heads=4, **MOE_SIZE), {"compile_kw": {}}, deterministic=True),
+        "qwen2-moe": Case(lambda: qwen2_moe(kv_heads=4, **MOE_SIZE)),
+        "deepseek-v3": Case(lambda: deepseek_v3(**MOE_SIZE), skew=True),
+        "deepseek-v3-compile": Case(lambda: deepseek_v3(**MOE_SIZE), {"compile_kw": {}}, deterministic=True),
+    })
+REFUSED: dict[str, tuple[Case, str]] = {} if TF5 else {
     "mixtral": (Case(lambda: mixtral(kv_heads=4, **_size())),
-                r"hf_models\.py:\d+: .*depends on the data.*\n  Inside: .*modeling_mixtral\.py:\d+.*\n  Fix: .*capacity"),
+                r"hf_models\.py:\d+: .*depends on the data.*\n  Inside: .*modeling_mixtral\.py:\d+.*\n  Fix: .*transformers 5"),
+}
+REFUSED.update({
     "llama-compile-reduce-overhead": (Case(lambda: llama(kv_heads=4, **_size()), {"compile_kw": {"mode": "reduce-overhead"}}),
                                       r"HFCausalLM\.model is compiled with torch\.compile's own CUDA graphs"),
     "fsdp-with-callback": (Case(lambda: llama(kv_heads=4, **_size()), trainer_kw={"strategy": "fsdp"}),
                            r"FSDP.*CudaGraphStrategy|CudaGraphStrategy.*FSDP|FSDP"),
-}
+})
 
 
 def _size() -> dict:
@@ -124,7 +158,10 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
     """``how``: ``graphed`` (the callback, or ``case.strategy``), ``reference`` (eager, optimizer prepared as under
     graphs) or ``plain`` (the user's unmodified eager run)."""
     pl.seed_everything(0, verbose=False)
-    module = HFCausalLM(case.config(), **case.module_kw)
+    module_kw = dict(case.module_kw)
+    if how == "reference":  # the experts the graphed run switches to (a no-op for dense models)
+        module_kw["prepare"] = _then(module_kw.get("prepare"), graph_safe_experts)
+    module = HFCausalLM(case.config(), **module_kw)
     timer = _Timer()
     cbs: list = [*callbacks, timer]
     trainer_kw = {**case.trainer_kw, **extra_trainer_kw}
@@ -146,7 +183,7 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
     trainer_kw.setdefault("enable_checkpointing", False)
     trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=steps, callbacks=cbs, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **trainer_kw)
-    data = DataLoader(TokenBatches(batches, batch=BATCH, seq=SEQ, pad=case.pad), batch_size=None)
+    data = DataLoader(TokenBatches(batches, batch=BATCH, seq=SEQ, pad=case.pad, skew=case.skew), batch_size=None)
     val = DataLoader(TokenBatches(2, batch=BATCH, seq=SEQ, seed=1), batch_size=None) if "val_check_interval" in trainer_kw else None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -162,6 +199,15 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
     stats = graph_cb.stats if graph_cb is not None else getattr(trainer.strategy, "stats", None)
     return Run(torch.stack(timer.losses).cpu(), timer.ms_per_step(), torch.cuda.max_memory_allocated() / 2**30, stats,
                timer.steps)
+
+
+def _then(first: Optional[Callable[[Any], Any]], second: Callable[[Any], Any]) -> Callable[[Any], None]:
+    def both(model: Any) -> None:
+        if first is not None:
+            first(model)
+        second(model)
+
+    return both
 
 
 def _row(name: str, g: Optional[Run], ref: Optional[Run], plain: Optional[Run], outcome: str) -> None:
