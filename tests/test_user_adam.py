@@ -246,3 +246,50 @@ def test_the_table_is_filled_ahead_and_counters_are_read_only_when_they_may_leav
         assert user.groups[0].table.filled_to >= user.groups[0].hi + count[0] - user._count0 + 1
     assert 1 <= len(reads) <= 2  # one read per SLOTS - CHUNK steps of spread, none per step
     assert CFG.n_embd  # the shared GPT config is importable (the fits above use it)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the kernel (Triton's interpreter on the CPU)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def interpreted(monkeypatch):
+    import os
+
+    from nemo_cudagraph_plugin.core import adam_tail
+
+    if os.environ.get("NCG_REQUIRE_TRITON") == "1":
+        importlib.import_module("triton")
+    else:
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    adam_tail._eager_kernel.cache_clear()
+    yield
+    adam_tail._eager_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("from_v", [True, False])
+def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted, from_v):
+    from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 31, 32, 33, 100, 200]
+    ps = [torch.randn(n, generator=g) * 1e-3 for n in sizes]  # updates of their size: roundings show
+    ms = [torch.randn(n, generator=g) * 1e-2 for n in sizes]
+    vs = [torch.rand(n, generator=g) * 1e-4 + 1e-12 for n in sizes]
+    step_size = torch.tensor([-5.2631e-4, -1e-3, -3.3e-4, -2e-3, -7.1e-4, -1e-4], dtype=torch.float32)
+    bc2s = torch.tensor([0.0447, 0.1, 0.3, 0.99, 0.5, 0.7], dtype=torch.float32)
+    before = [p.clone() for p in ps]
+    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, bc2s, step_size, 1e-8, from_v=from_v)
+    f32 = lambda x: x.to(torch.float32).to(torch.float64)  # noqa: E731  (round to float32, keep computing exactly)
+    for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
+        d = v.double()
+        if from_v:  # _foreach_sqrt, _foreach_div_ by the float32 scalar, _foreach_add_(eps): each rounded
+            d = f32(f32(f32(d.sqrt()) / bc2s[j].double()) + f32(torch.tensor(1e-8, dtype=torch.float64)))
+        q = f32(m.double() / d)
+        # one rounding of p + s * q (an FMA); s * q is exact in float64, the float64 sum then rounds once more (a
+        # float32 tie after it has probability ~2^-29 per element)
+        want = (p0.double() + step_size[j].double() * q).to(torch.float32)
+        two_roundings = f32(p0.double() + f32(step_size[j].double() * q)).float()
+        assert torch.equal(p, want), f"tensor {j}: {(p != want).sum()} elements differ"
+        if j == len(sizes) - 1:
+            assert not torch.equal(want, two_roundings)  # the data tells an FMA from a multiply and an add
