@@ -1102,7 +1102,7 @@ MUTANTS: list[Mutant] = [
     Mutant("user-adam-decay-in-float32", "cpu", UADAM,
            "    return (1 - lr * weight_decay).to(torch.float32)",
            "    return 1 - lr.float() * weight_decay",
-           (UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]",
+           (UA + "test_the_decay_factor_is_the_hosts_double_rounded_once_to_float32",
             UA + "test_the_update_is_the_users_eager_step_bit_for_bit[AdamW-True-False-False-0.1]"),
            "AdamW's decay factor 1 - lr * wd is computed in float32 instead of the host's float64"),
     Mutant("user-adam-lr-not-synced", "cpu", UADAM,

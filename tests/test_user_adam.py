@@ -57,6 +57,13 @@ def test_device_scalars_are_torchs_host_scalars_bit_for_bit_over_a_million_steps
     assert torch.equal(user_adam.decay_factor(lr_t, wd), want_decay)
 
 
+def test_the_decay_factor_is_the_hosts_double_rounded_once_to_float32():
+    lrs = torch.logspace(-6, -1, 100_000, dtype=torch.float64)
+    for wd in (0.1, 0.01, 0.05):
+        want = torch.tensor([1 - lr * wd for lr in lrs.tolist()], dtype=torch.float64).to(torch.float32)
+        assert torch.equal(user_adam.decay_factor(lrs, wd), want)
+
+
 def test_the_table_holds_the_hosts_pow_not_a_device_pow():
     # the host's (1 - b2 ** k) ** 0.5 is libm pow(x, 0.5), which need not be sqrt(x) rounded; the table keeps the former
     table = ScalarTable(0.9, 0.999, torch.device("cpu"))
