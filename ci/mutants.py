@@ -51,6 +51,9 @@ NODES = "nemo_cudagraph_plugin/core/_cuda_nodes.py"
 ADAM = "nemo_cudagraph_plugin/core/adam_step.py"
 AS = "tests/test_adam_step.py::"
 TAIL = "nemo_cudagraph_plugin/core/adam_tail.py"
+UADAM = "nemo_cudagraph_plugin/core/user_adam.py"
+UA = "tests/test_user_adam.py::"
+UOG = "tests/gpu/test_user_optimizer_gpu.py::"
 ATL = "tests/test_adam_tail.py::"
 LT = "tests/test_lightning_cpu.py::"
 ET_ = "tests/test_engine_tape.py::"
@@ -1085,10 +1088,43 @@ MUTANTS: list[Mutant] = [
            (LT + "test_fast_adam_is_on_by_default",),
            "fast_adam is off unless asked for"),
     Mutant("fast-adam-reports-on-any-optimizer", "cpu", RUNNER,
-           "        if self.config.fast_adam and isinstance(optimizer, torch.optim.Adam):",
-           "        if self.config.fast_adam:",
+           "        if self.config.fast_adam and isinstance(optimizer, torch.optim.Adam) and self.prep.user is None:",
+           "        if self.config.fast_adam and self.prep.user is None:",
            (LT + "test_fast_adam_says_nothing_about_an_optimizer_that_is_not_adam",),
            "fast_adam's default names every optimizer that is not Adam as a reason it was not used"),
+    # -- optimizer_math="eager": the user's own Adam/AdamW update, its host scalars read from the device ----------------
+    Mutant("user-adam-step-size-in-float32", "cpu", UADAM,
+           "    step_size = ((lr / row[0]) * -1).to(torch.float32)",
+           "    step_size = (lr.float() / row[0].float()) * -1",
+           (UA + "test_device_scalars_are_torchs_host_scalars_bit_for_bit_over_a_million_steps[0.9-0.999-0.001-0.01]",
+            UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]"),
+           "the step size is computed in float32 on the device instead of the host's float64"),
+    Mutant("user-adam-decay-in-float32", "cpu", UADAM,
+           "    return (1 - lr * weight_decay).to(torch.float32)",
+           "    return 1 - lr.float() * weight_decay",
+           (UA + "test_the_decay_factor_is_the_hosts_double_rounded_once_to_float32",
+            UA + "test_the_update_is_the_users_eager_step_bit_for_bit[AdamW-True-False-False-0.1]"),
+           "AdamW's decay factor 1 - lr * wd is computed in float32 instead of the host's float64"),
+    Mutant("user-adam-lr-not-synced", "cpu", UADAM,
+           "                g.lr.fill_(float(lr))\n",
+           "                pass\n",
+           (UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]",),
+           "a scheduler's float lr never reaches the device: graphs keep the first lr"),
+    Mutant("eager-tail-two-roundings", "cpu", TAIL,
+           "            tl.store(p + offs, tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0)), mask=mask)",
+           "            tl.store(p + offs, s * q + tl.load(p + offs, mask=mask, other=0.0), mask=mask)",
+           (UA + "test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv[True]",),
+           "the eager tail rounds s * q before adding it (torch's CUDA addcdiv is one FMA); in the interpreter"),
+    Mutant("user-adam-for-loop-cuda-divides", "gpu", UADAM,
+           "        denom = [v.sqrt().mul_(inv[j]).add_(eps) for j, v in enumerate(source)]",
+           "        denom = [v.sqrt().div_(bc2_sqrt[j]).add_(eps) for j, v in enumerate(source)]",
+           (UOG + "test_clipping_and_a_schedule_200_steps_equal_the_users_eager_run[adamw-for-loop-32-true]",),
+           "the for-loop path divides by bias_correction2_sqrt on CUDA (torch multiplies by its float32 reciprocal)"),
+    Mutant("user-adam-math-off-by-default", "cpu", "nemo_cudagraph_plugin/core/config.py",
+           '    optimizer_math: Literal["eager", "capturable"] = "eager"\n',
+           '    optimizer_math: Literal["eager", "capturable"] = "capturable"\n',
+           (UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]",),
+           "the capturable math is the default: graphed fits differ from the user's eager run"),
     # -- the step-time harness's report: the figures of the results table -----------------------------
     Mutant("report-pairs-rounds-by-position", "cpu", "benchmarks/harness/report.py",
            "            ratio_rounds = [ok_by_round[v][k][\"ms_per_step\"] / ok_by_round[base][k][\"ms_per_step\"]\n"

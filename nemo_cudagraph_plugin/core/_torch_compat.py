@@ -28,6 +28,8 @@ __all__ = [
     "adam_functional",
     "adam_init_group",
     "adam_step_is_torchs",
+    "adam_default_foreach",
+    "mark_step_called",
 ]
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -128,3 +130,17 @@ def adam_functional(optimizer: Any, group: dict, params: list, grads: list, exp_
         grad_scale=getattr(optimizer, "grad_scale", None), found_inf=getattr(optimizer, "found_inf", None),
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )
+
+
+def adam_default_foreach(params: list) -> bool:
+    """Whether torch's ``adam()`` runs its multi-tensor update for a group with ``foreach=None, fused=None`` (and a
+    float ``lr``): torch's own default (CUDA tensors: yes; CPU: its for-loop update)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
+
+
+def mark_step_called(optimizer: Any) -> None:
+    """What torch's LR scheduler's wrapper of ``optimizer.step`` records (it warns when a schedule steps first): set
+    by a step that stands in for the wrapped one."""
+    optimizer._opt_called = True

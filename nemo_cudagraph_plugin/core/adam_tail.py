@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .finite import capturing
 
-__all__ = ["FusedAdamTail", "tail_applies"]
+__all__ = ["EagerAdamTail", "FusedAdamTail", "tail_applies"]
 
 # Elements per load and loads per program: 16 KiB of each of the three tensors per program.
 BLOCK, ITERS, NUM_WARPS = 1024, 4, 4
@@ -70,6 +70,43 @@ def _kernel() -> Any:
                 tl.store(p + offs, x, mask=mask)
 
     return adam_tail_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _eager_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # torch's non-capturable update ends with ``p.addcdiv_(m, d, value=s)`` (for-loop) or
+    # ``_foreach_addcdiv_(ps, ms, ds, scalars)`` (multi-tensor), ``s`` a Python float. Both CUDA kernels convert ``s``
+    # to float32 (opmath) and compute ``p + s * (m / d)`` in float32: an IEEE division, then ``a + s * q`` which nvcc
+    # contracts into one FMA (torch >= 2.12 writes ``std::fma`` itself): one rounding, mirrored by ``fma``. Here ``s``
+    # and the multi-tensor path's ``bias_correction2_sqrt`` are read from device memory, one float32 per tensor.
+    # FROM_V: the multi-tensor denominator ``_foreach_sqrt`` (``sqrtf``), ``_foreach_div_`` by the ScalarList (IEEE
+    # division by the float32 scalar), ``_foreach_add_(eps)`` (float32 add) computed here from ``v``; otherwise the
+    # third tensor is the denominator itself (the for-loop path computes it with torch's operations).
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def eager_adam_tail_kernel(table, n_tensors, bc2s_ptr, step_size_ptr, eps, ref, FROM_V: tl.constexpr,
+                               BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        c = tl.program_id(0)
+        t = tl.load(table + 5 * n_tensors + c)
+        p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+        m = tl.multiple_of(tl.load(table + n_tensors + t).to(ref.dtype), 16)
+        x = tl.multiple_of(tl.load(table + 2 * n_tensors + t).to(ref.dtype), 16)
+        numel = tl.load(table + 3 * n_tensors + t)
+        start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)
+        s = tl.load(step_size_ptr + t)
+        bc2s = tl.load(bc2s_ptr + t)
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < numel
+            d = tl.load(x + offs, mask=mask, other=1.0)
+            if FROM_V:
+                d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
+            q = tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0), d)
+            tl.store(p + offs, tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0)), mask=mask)
+
+    return eager_adam_tail_kernel
 
 
 def tail_applies(*lists: Sequence[Tensor]) -> bool:
@@ -128,6 +165,33 @@ class FusedAdamTail:
         p, m, v = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(3))
         one = torch.ones((), dtype=torch.float32, device=device)
         self([p], [m], [v], one, one, 1e-8)  # not capturing: nothing is kept
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._warm.add(device)
+
+
+class EagerAdamTail(FusedAdamTail):
+    """The last operations of torch's *non-capturable* Adam update, with its Python scalars read from the device.
+
+    ``p += s * (m / d)`` with ``s`` (the step size, one float32 per tensor) from device memory, rounded as torch's
+    CUDA ``addcdiv`` rounds it (see :func:`_eager_kernel`); ``d`` computed from ``v`` as the multi-tensor path does
+    (``from_v=True``, ``bias_correction2_sqrt`` one float32 per tensor) or given.
+    """
+
+    def __call__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor], third: Sequence[Tensor],  # type: ignore[override]
+                 bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float, from_v: bool = True) -> None:
+        table, programs = self._table(params, exp_avgs, third)
+        _eager_kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps),
+                                     params[0].detach(), FROM_V=from_v, BLOCK=self.block, ITERS=self.iters,
+                                     num_warps=self.num_warps)
+
+    def warm(self, device: torch.device) -> None:
+        if device in self._warm:
+            return
+        p, m, v = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(3))
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        for from_v in (True, False):
+            self([p], [m], [v], one, one, 1e-8, from_v=from_v)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self._warm.add(device)

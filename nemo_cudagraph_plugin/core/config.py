@@ -92,7 +92,17 @@ class CaptureConfig:
             float32 parameters on one GPU, multi-tensor (not fused) groups without amsgrad/maximize, torch 2.11 -
             2.13 (:mod:`nemo_cudagraph_plugin.core.adam_step`); elsewhere an Adam/AdamW's own step is captured and
             the end-of-fit summary says why (other optimizers are not concerned). Eager steps always run torch's
-            step. ``False``: torch's own capturable update is captured.
+            step. ``False``: torch's own capturable update is captured. Not used where ``optimizer_math="eager"``
+            captures the user's own update.
+        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor or for-loop, ``amsgrad``,
+            ``maximize``, weight decay, float ``lr``; float32 parameters; Triton on CUDA) keeps its own settings and its
+            own non-capturable update is captured, with the scalars its Python computes on the host (bias corrections,
+            step size, decay factor) read from the device as the same float64 numbers: graphed training gives the bits
+            of your own eager run (:mod:`nemo_cudagraph_plugin.core.user_adam`). Other optimizers and settings (fused
+            Adam, tensor ``lr``, ``nan_action="skip"``, SGD) get the capturable preparation and ``stats.optimizer_math``
+            says so. ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device
+            tensor, bias corrections computed on the device in float32): bitwise equal to eager training with that
+            preparation, about 1e-4 relative from your own run.
     """
 
     enabled: bool = True
@@ -113,6 +123,7 @@ class CaptureConfig:
     hf_attention: Literal["graph_safe", "as_is"] = "graph_safe"
     hf_experts: Literal["graph_safe", "as_is"] = "graph_safe"
     fast_adam: bool = True
+    optimizer_math: Literal["eager", "capturable"] = "eager"
 
     def __post_init__(self) -> None:
         _check(self, "CaptureConfig")
@@ -179,6 +190,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "hf_attention": (lambda v: v in ("graph_safe", "as_is"), "use 'graph_safe' or 'as_is'"),
     "hf_experts": (lambda v: v in ("graph_safe", "as_is"), "use 'graph_safe' or 'as_is'"),
     "fast_adam": (lambda v: isinstance(v, bool), "use True or False"),
+    "optimizer_math": (lambda v: v in ("eager", "capturable"), "use 'eager' or 'capturable'"),
 }
 
 
@@ -245,6 +257,8 @@ class CaptureStats:
     peak_bytes: int = 0
     #: why ``fast_adam=True`` left the optimizer's own step in the graphs ("" when it did not, or was not asked for)
     fast_adam_unused: str = ""
+    #: why the graphed optimizer update is not your optimizer's own eager update ("" when it is)
+    optimizer_math: str = ""
 
     @property
     def peak_over_eager(self) -> Optional[float]:
@@ -267,4 +281,5 @@ class CaptureStats:
             + (f"; peak memory {self.peak_bytes / 2**30:.2f} GiB, {self.peak_over_eager:.3f}x the eager warm-up's"
                f" {self.peak_eager_bytes / 2**30:.2f} GiB" if self.peak_over_eager is not None else "")
             + (f"; fast_adam unused: {self.fast_adam_unused}" if self.fast_adam_unused else "")
+            + (f"; optimizer math differs from your eager step: {self.optimizer_math}" if self.optimizer_math else "")
         )

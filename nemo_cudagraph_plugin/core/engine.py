@@ -545,7 +545,9 @@ class CaptureEngine:
         extra = [(t, t.detach().clone()) for t in self.mutable_fn()]
         restore_host = self.host_state()
         grads = [(p, p.grad) for _, p in self.named_params]  # eager zero_grad may set them to None
-        with _WriteRecorder() as rec:
+        # The adapter's reference_step (optional): the eager half runs the user's own optimizer step in it.
+        reference = getattr(self.adapter, "reference_step", None)
+        with reference() if reference is not None else contextlib.nullcontext(), _WriteRecorder() as rec:
             out_eager = quiet_fn(batch)
         eager_vals = _metrics(out_eager, self.named_params)
         post_eager = [p.detach().clone() for _, p in self.named_params]

@@ -13,17 +13,26 @@ What is changed, per param group, until :meth:`OptimizerPrep.restore`:
 - ``nan_action="skip"``: Adam/AdamW/SGD run their fused kernels, which skip the update on the
   device when ``optimizer.found_inf`` is set.
 
+With ``math="eager"`` (the default of ``CaptureConfig.optimizer_math``), a torch Adam/AdamW that
+:func:`.user_adam.why_not` accepts keeps its own settings and float ``lr`` instead: its own non-capturable update
+is captured with the host's scalars read from the device (:mod:`.user_adam`), so graphed steps give the bits of
+the user's eager steps. Anything else gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs`
+says why.
+
 Any other scalar hyperparameter (``weight_decay``, ``eps``, SGD ``momentum``...) stays a float:
 :meth:`OptimizerPrep.changed_scalars` reports a change so the engine can re-capture.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from . import user_adam
 from ._torch_compat import check_torch_version, clear_found_inf, quiet_uncaptured_capturable, set_found_inf
 
 __all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state"]
@@ -151,10 +160,20 @@ class OptimizerPrep:
         device: torch.device,
         skip_nonfinite: bool = False,
         tensor_hparams: Optional[tuple[bool, bool]] = None,
+        math: str = "capturable",
+        step_count: Optional[Callable[[], int]] = None,
+        device_type: Optional[str] = None,
     ) -> None:
         check_torch_version()
         check_optimizer_supported(optimizer)
         self.tensor_hparams = tensor_hparams
+        self.math = math
+        self.step_count = step_count
+        self.device_type = device_type or device.type
+        #: the user's own update, captured (``math="eager"`` where it applies), else ``None``
+        self.user: Optional[user_adam.UserMathAdam] = None
+        #: why the graphed update is not the user's own (``""`` when it is)
+        self.math_differs = ""
         self.optimizer = optimizer
         self.device = device
         self.skip_nonfinite = skip_nonfinite
@@ -176,6 +195,8 @@ class OptimizerPrep:
                 f"nan_action='skip' needs an optimizer with a fused kernel that honours found_inf "
                 f"(torch.optim.Adam, AdamW or SGD), not {type(opt).__name__}. Use nan_action='raise'."
             )
+        if self.math == "eager" and self._apply_user_math():
+            return
         fused = fam == "SGD" or (self.skip_nonfinite and fam in ("Adam", "AdamW"))
         lr_t, betas_t = self.tensor_hparams or probe_tensor_hyperparams(opt, self.device, fused)
         self._live = []
@@ -215,9 +236,32 @@ class OptimizerPrep:
         self.freeze_scalars()
         self.applied = True
 
+    def _apply_user_math(self) -> bool:
+        """``math="eager"``: capture the user's own update where :mod:`.user_adam` covers it (else say why)."""
+        opt = self.optimizer
+        if self.user is not None:  # a re-apply (load_state_dict, a group added): counters and tables read again
+            self.user.remove()
+            self.user = None
+        why = user_adam.why_not(opt, self.device_type, self.skip_nonfinite)
+        if why is not None:
+            self.math_differs = f"the plugin's capturable update of {type(opt).__name__} is captured ({why})"
+            return False
+        for i, group in enumerate(opt.param_groups):
+            if i == len(self._saved):
+                self._saved.append({k: group[k] for k in ("lr", "betas", "capturable", "fused", "foreach") if k in group})
+        self.user = user_adam.UserMathAdam(opt, self.device, self.step_count)
+        self.user.install()
+        self._live = []
+        self.math_differs = ""
+        self.freeze_scalars()
+        self.applied = True
+        return True
+
     def freeze_scalars(self) -> None:
         """Record every float hyperparameter a graph will bake in (called at each capture)."""
         live = {(id(g), k) for g, k, _ in self._live}
+        if self.user is not None:  # read from the device on every step
+            live |= {(id(g), "lr") for g in self.optimizer.param_groups}
         self._frozen = [
             (g, k, v)
             for g in self.optimizer.param_groups
@@ -236,6 +280,8 @@ class OptimizerPrep:
             # would be baked in, so it gets device tensors too, and graphs without it are re-captured.
             self.apply()
             return f"param group {len(self._saved) - 1} added to the optimizer"
+        if self.user is not None:
+            self.user.sync()
         for group, key, obj in self._live:
             cur = group[key]
             if cur is not obj:  # a scheduler assigned a new float/tuple: copy it into our tensors
@@ -257,6 +303,14 @@ class OptimizerPrep:
         """Put back float hyperparameters (current values) and the original kernel choices."""
         if not self.applied:
             return
+        if self.user is not None:
+            self.user.remove()
+            self.user = None
+            # The user's non-capturable, non-fused update keeps its step counters on the CPU.
+            for state in self.optimizer.state.values():
+                step = state.get("step") if isinstance(state, dict) else None
+                if isinstance(step, Tensor) and step.device.type != "cpu":
+                    state["step"] = step.cpu()
         for group, saved in zip(self.optimizer.param_groups, self._saved):
             for k in ("capturable", "fused", "foreach"):
                 if k in saved:
@@ -283,6 +337,8 @@ class OptimizerPrep:
             if isinstance(state, dict):
                 pname = names.get(id(p), f"#{i}")
                 out.extend((f"optimizer state {k} of {pname}", v) for k, v in state.items() if isinstance(v, Tensor))
+        if self.user is not None:
+            out.extend(self.user.tensors())
         for g, k, obj in self._live:
             idx = _group_index(self.optimizer, g)
             if k == "lr":
@@ -290,6 +346,12 @@ class OptimizerPrep:
             else:
                 out.extend((f"param group {idx} {k}[{j}] tensor", t) for j, t in enumerate(obj))
         return out
+
+
+    def reference_step(self) -> contextlib.AbstractContextManager:
+        """Inside the block the optimizer runs the user's own eager step (``verify_steps``' reference): torch's own
+        ``step`` where the user's update is captured; elsewhere the prepared eager step (the graphed math)."""
+        return self.user.torchs_step() if self.user is not None else contextlib.nullcontext()
 
 
 def _group_index(optimizer: torch.optim.Optimizer, group: dict) -> int:

@@ -187,7 +187,9 @@ class LightningStepRunner:
         may_watch = (self.config.nan_mode == "full" and self.config.nan_action == "raise" and not self._ddp
                      and all(type(p.data) is Tensor for _, p in named))
         try:
-            self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_action == "skip")
+            self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_action == "skip",
+                                      math=self.config.optimizer_math, step_count=lambda: trainer.global_step,
+                                      device_type=self.backend.device_type if self.backend is not None else None)
             self.prep.apply()
         except TypeError as exc:
             self.prep = None
@@ -215,7 +217,9 @@ class LightningStepRunner:
         self.engine = CaptureEngine(self.config, pl_module.device, named, self, generators=self.generators,
                                     stats=self.stats, backend=self.backend)
         # Only an Adam/AdamW is concerned: for other optimizers there is nothing to say (fast_adam is on by default).
-        if self.config.fast_adam and isinstance(optimizer, torch.optim.Adam):
+        # The user's own update captured (optimizer_math="eager"): fast_adam's capturable update is not concerned.
+        self.stats.optimizer_math = self.prep.math_differs
+        if self.config.fast_adam and isinstance(optimizer, torch.optim.Adam) and self.prep.user is None:
             self.fast_adam = GroupScalarAdam(optimizer, self.engine.backend.device_type)
             self._contexts.append(self.fast_adam.during_capture)
             if self.fast_adam.reason is not None:  # stats.fast_adam_unused says it after each capture
@@ -243,6 +247,10 @@ class LightningStepRunner:
 
     def capture_contexts(self) -> list[Callable[[], contextlib.AbstractContextManager]]:
         return self._contexts
+
+    def reference_step(self) -> contextlib.AbstractContextManager:
+        """Around the eager half of ``verify_steps``: the user's own optimizer step runs in it."""
+        return self.prep.reference_step() if self.prep is not None else contextlib.nullcontext()
 
     def post_capture_checks(self) -> list[Callable[[], None]]:
         return self._checks
@@ -386,6 +394,8 @@ class LightningStepRunner:
             self.guard.after_capture()  # before the first replay
         if self.fast_adam is not None:
             self.stats.fast_adam_unused = self.fast_adam.reason or ""
+        if self.prep is not None:
+            self.stats.optimizer_math = self.prep.math_differs
         entry.meta["progress"] = self._last_delta
         # Every output is copied into fresh memory after each replay, in one launch: the loss (a user may keep
         # it) and the logged values, which Lightning then keeps without a copy of its own (StepLogs.emit).

@@ -1,0 +1,393 @@
+"""torch's own (non-capturable) Adam/AdamW update inside a graph: the bits of the user's eager step.
+
+torch's non-capturable update (``torch/optim/adam.py``: ``_multi_tensor_adam`` and ``_single_tensor_adam`` with
+``capturable=False``) computes its scalars on the host in float64 from a CPU step counter and passes them to its kernels
+as Python numbers::
+
+    bias_correction1 = 1 - beta1 ** step            # host libm pow
+    bias_correction2 = 1 - beta2 ** step
+    step_size = (lr / bias_correction1) * -1        # for-loop: value=-(lr / bias_correction1), the same double
+    bias_correction2_sqrt = bias_correction2 ** 0.5 # host libm pow, not sqrt
+    param *= 1 - lr * weight_decay                  # AdamW's decoupled decay
+
+A graph would freeze those numbers. Here they come from device memory, equal bit for bit:
+
+* ``1 - beta ** step`` and ``(1 - beta2 ** step) ** 0.5`` are the host's own float64 values, computed by Python as torch
+  computes them and copied into a device table (:class:`ScalarTable`) indexed by the device step counter: no device
+  ``pow``/``sqrt`` decides a bit. The host fills the table ahead of the steps (a chunk at a time, between steps, from
+  the optimizer-step count it already knows: no host sync per step).
+* ``lr`` is a float64 device tensor that the host sets before each step from the group's float ``lr`` (schedulers keep
+  assigning floats, as without graphs). ``(lr / bc1) * -1`` and ``1 - lr * weight_decay`` are float64 ``/``, ``*`` and
+  ``-`` on the device: IEEE operations, correctly rounded on both sides, so the same doubles as the host's.
+* Each scalar is rounded to float32 where torch's CUDA kernel converts its Python scalar to its opmath type (float32
+  for float32 parameters), and read by a kernel that computes what the eager kernel computes: ``_foreach_mul_`` with a
+  float32 0-d tensor (the same float32 multiply), ``_foreach_div_``/``div_`` likewise, and the final ``addcdiv`` (whose
+  ScalarList/``value`` argument no torch kernel reads from the device without a sync) by
+  :class:`~.adam_tail.EagerAdamTail`, the same IEEE division and FMA as torch's CUDA kernel. On the CPU (the tape
+  backend of the tests) the CPU kernels' order is mirrored instead (``p + (s * m) / d``, no FMA).
+* The for-loop path's ``tensor / python_scalar`` is, on CUDA, a multiply by the float32 reciprocal computed on the
+  host (``BinaryDivTrueKernel.cu``); mirrored as ``x * reciprocal(float32(bc2_sqrt))`` (both IEEE).
+
+Every other operation (step increment, ``lerp_``, ``mul_``, ``addcmul_``, the coupled decay, ``maximize``'s negation,
+amsgrad's maximum) is torch's own call with torch's own Python-float arguments, which a graph may freeze: betas, eps and
+weight decay are constants (the engine re-captures when one changes; the table follows betas).
+
+Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
+``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``lr`` and ``betas``, non-fused
+groups (the multi-tensor and the for-loop update, ``amsgrad``, ``maximize``, weight decay), float32 parameters on
+one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's ``found_inf``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ._torch_compat import (
+    ADAM_STEP_SHAPE,
+    TORCH_VERSION,
+    adam_default_foreach,
+    adam_init_group,
+    adam_step_is_torchs,
+    mark_step_called,
+)
+from .adam_tail import EagerAdamTail, tail_applies
+from .finite import triton_available
+
+__all__ = ["ScalarTable", "UserMathAdam", "device_scalars", "host_bias_corrections", "update", "why_not"]
+
+#: ring slots of the bias-correction table (steps k live in slot k % SLOTS): 1 MiB per (beta1, beta2)
+SLOTS = 1 << 16
+#: steps the host computes at a time, ahead of the steps taken
+CHUNK = 4096
+_ABSENT = object()
+
+
+def host_bias_corrections(beta1: float, beta2: float, steps: Sequence[int]) -> tuple[list[float], list[float]]:
+    """``1 - beta1 ** step`` and ``(1 - beta2 ** step) ** 0.5`` as torch's non-capturable update computes them (Python
+    floats: libm ``pow``, the step a float as ``_get_value`` returns it)."""
+    bc1 = [1 - beta1 ** float(k) for k in steps]
+    bc2_sqrt = [(1 - beta2 ** float(k)) ** 0.5 for k in steps]
+    return bc1, bc2_sqrt
+
+
+class ScalarTable:
+    """The host's bias corrections for one ``(beta1, beta2)`` on the device: ``values[0, k % SLOTS]`` is
+    ``1 - beta1 ** k``, ``values[1, k % SLOTS]`` is ``(1 - beta2 ** k) ** 0.5`` for the steps filled so far."""
+
+    def __init__(self, beta1: float, beta2: float, device: torch.device) -> None:
+        self.betas = (beta1, beta2)
+        self.values = torch.zeros(2, SLOTS, dtype=torch.float64, device=device)
+        #: steps ``(filled_to - SLOTS, filled_to]`` are valid
+        self.filled_to = 0
+
+    def fill_to(self, last: int) -> None:
+        """Make steps up to ``last`` valid (between steps only: the copies are ordered on the current stream)."""
+        first = self.filled_to + 1
+        if last < first:
+            return
+        first = max(first, last - SLOTS + 1)
+        bc1, bc2s = host_bias_corrections(*self.betas, range(first, last + 1))
+        host = torch.tensor([bc1, bc2s], dtype=torch.float64)
+        if self.values.is_cuda:
+            host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
+        at, done = first % SLOTS, 0
+        while done < host.shape[1]:
+            n = min(SLOTS - at, host.shape[1] - done)
+            self.values[:, at:at + n].copy_(host[:, done:done + n], non_blocking=True)
+            done, at = done + n, 0
+        self.filled_to = last
+
+
+def device_scalars(table: Tensor, steps: Tensor, lr: Tensor) -> tuple[Tensor, Tensor]:
+    """Per tensor: the float32 step size ``float32((lr / bc1) * -1)`` and ``float32(bc2_sqrt)`` for device step
+    counters ``steps`` (float, already incremented), from ``table`` (:attr:`ScalarTable.values`) and a float64 ``lr``.
+
+    The float64 ``/`` and ``*`` are IEEE operations (the host's doubles); the casts round to nearest, as torch's
+    ``Scalar.to<float>()`` does when a kernel receives a Python float.
+    """
+    row = table.index_select(1, steps.to(torch.int64).remainder_(SLOTS))
+    step_size = ((lr / row[0]) * -1).to(torch.float32)
+    return step_size, row[1].to(torch.float32)
+
+
+def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
+    """``float32(1 - lr * weight_decay)``: the host's double (two IEEE operations), rounded as the kernel rounds it."""
+    return (1 - lr * weight_decay).to(torch.float32)
+
+
+def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
+    """Why the user's own update cannot be captured for ``optimizer`` (``None``: it can)."""
+    name = type(optimizer).__name__
+    lo, hi = ADAM_STEP_SHAPE
+    if not isinstance(optimizer, torch.optim.Adam) or not adam_step_is_torchs(optimizer):
+        return f"{name} is not torch.optim.Adam/AdamW with torch's own step()"
+    if not lo <= TORCH_VERSION <= hi:
+        return f"torch {TORCH_VERSION} is outside {lo.base_version} - {hi.major}.{hi.minor}, whose Adam step it mirrors"
+    if skip_nonfinite:
+        return "nan_action='skip' runs the fused kernel (it reads found_inf on the device)"
+    if device_type == "cuda" and not triton_available():
+        return "Triton is not available (the update's last operation needs its kernel)"
+    devices = set()
+    for i, g in enumerate(optimizer.param_groups):
+        off = [k for k in ("fused", "capturable", "differentiable") if g.get(k)]
+        if off:
+            return f"param group {i} is {', '.join(off)}"
+        if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
+            return f"param group {i} has a tensor lr or betas"
+        for p in g["params"]:
+            if p.dtype != torch.float32 or p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
+                return f"param group {i} holds a parameter that is not a float32 {device_type} tensor ({p.dtype})"
+            devices.add(p.device)
+    if len(devices) > 1:
+        return f"{name}'s parameters live on {len(devices)} devices"
+    return None
+
+
+def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+           max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, foreach: bool, amsgrad: bool, maximize: bool,
+           beta1: float, beta2: float, lr: Tensor, weight_decay: float, eps: float, decoupled_weight_decay: bool,
+           table: Tensor, tail: Optional[EagerAdamTail] = None) -> None:
+    """One non-capturable Adam/AdamW update (torch's ``foreach`` or for-loop path) with the host's scalars read from
+    the device: ``lr`` a float64 0-d tensor, ``table`` a :class:`ScalarTable`'s values. See the module docstring."""
+    if not params:
+        return
+    if maximize:
+        grads = torch._foreach_neg(grads) if foreach else [-g for g in grads]
+    torch._foreach_add_(steps, 1)  # for-loop: step_t += 1 per tensor, the same float32 add
+    step_size, bc2_sqrt = device_scalars(table, torch.stack(steps), lr)
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            factor = decay_factor(lr, weight_decay)  # the float32 a Python scalar becomes in the multiply
+            if foreach:
+                torch._foreach_mul_(params, factor)
+            else:
+                for p in params:
+                    p.mul_(factor)
+        elif foreach:
+            if maximize:
+                torch._foreach_add_(grads, params, alpha=weight_decay)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        else:
+            grads = [g.add(p, alpha=weight_decay) for g, p in zip(grads, params)]
+    if foreach:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    else:
+        for m, v, g in zip(exp_avgs, exp_avg_sqs, grads):
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    del grads
+    source = exp_avg_sqs
+    if amsgrad:
+        if foreach:
+            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        else:
+            for mx, v in zip(max_exp_avg_sqs, exp_avg_sqs):
+                torch.maximum(mx, v, out=mx)
+        source = max_exp_avg_sqs
+    on_cuda = params[0].device.type == "cuda"
+    use_tail = tail is not None and tail_applies(params, exp_avgs, source)
+    if foreach and use_tail:
+        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, from_v=True)
+        return
+    if foreach:
+        denom = torch._foreach_sqrt(source)
+        torch._foreach_div_(denom, list(bc2_sqrt.unbind()))  # the ScalarList's float32 division
+        torch._foreach_add_(denom, eps)
+    elif on_cuda:
+        # CUDA's ``tensor / python_scalar`` multiplies by the float32 reciprocal (BinaryDivTrueKernel.cu).
+        inv = torch.reciprocal(bc2_sqrt)
+        denom = [v.sqrt().mul_(inv[j]).add_(eps) for j, v in enumerate(source)]
+    else:
+        denom = [v.sqrt().div_(bc2_sqrt[j]).add_(eps) for j, v in enumerate(source)]
+    if use_tail:
+        tail(params, exp_avgs, denom, bc2_sqrt, step_size, eps, from_v=False)
+    elif not on_cuda:
+        # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation rounded to float32.
+        scaled = torch._foreach_mul(exp_avgs, list(step_size.unbind()))
+        torch._foreach_div_(scaled, denom)
+        torch._foreach_add_(params, scaled)
+    else:  # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
+        raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
+
+
+class _Group:
+    """Per param group: the device lr, its host value, the table and the step bounds the host knows."""
+
+    def __init__(self, lr: float, table: ScalarTable, device: torch.device, lo: int, hi: int) -> None:
+        self.lr_value = lr
+        self.lr = torch.tensor(lr, dtype=torch.float64, device=device)
+        self.table = table
+        self.lo, self.hi = lo, hi  # the smallest and the largest step counter when last read (or state created)
+
+
+class UserMathAdam:
+    """Captures the user's own Adam/AdamW update (see the module docstring): installed on the optimizer instance for
+    as long as graphs may be captured (:meth:`install` / :meth:`remove`), so eager warm-up steps and replays run the
+    same operations; :meth:`sync` before every step (cheap: float compares, a table chunk every :data:`CHUNK` steps).
+
+    Args:
+        step_count: the number of optimizer steps taken so far as the host counts them (Lightning's
+            ``trainer.global_step``); without it every :meth:`sync` counts as one step (an upper bound: with gradient
+            accumulation the counters are read again, one host sync, when the bound runs far ahead).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device,
+                 step_count: Optional[Callable[[], int]] = None, fused_tail: Optional[bool] = None) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self.step_count = step_count
+        use = triton_available() and device.type == "cuda" if fused_tail is None else fused_tail
+        self.tail: Optional[EagerAdamTail] = EagerAdamTail() if use else None
+        self.groups: list[_Group] = []
+        self.installed = False
+        self._own: Any = _ABSENT
+        self._count0 = 0
+        self._calls = 0
+        self._step: Callable[..., Any] = torch.optim.Optimizer.profile_hook_step(self._run)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Move the step counters to the device, build the tables and take over the instance's ``step``."""
+        opt = self.optimizer
+        if self.tail is not None:
+            self.tail.warm(self.device)
+        bounds = self._read_counters()
+        tables: dict[tuple[float, float], ScalarTable] = {}
+        self.groups = []
+        for g, (lo, hi) in zip(opt.param_groups, bounds):
+            betas = (float(g["betas"][0]), float(g["betas"][1]))
+            table = tables.get(betas) or tables.setdefault(betas, ScalarTable(*betas, self.device))
+            self.groups.append(_Group(float(g["lr"]), table, self.device, lo, hi))
+        self._count0 = self.step_count() if self.step_count is not None else 0
+        self._calls = 0
+        self.sync()
+        self._take_step()
+
+    def _take_step(self) -> None:
+        if self.installed:
+            return
+        opt = self.optimizer
+        self._own = opt.__dict__.get("step", _ABSENT)
+        opt.step = functools.partial(self._step, opt)  # this instance only; an LR scheduler's wrapper comes back
+        if getattr(self._own, "_wrapped_by_lr_sched", False):
+            opt.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.installed = True
+
+    def remove(self) -> None:
+        """Give the instance its ``step`` back (the step counters stay on the device; see OptimizerPrep.restore)."""
+        if not self.installed:
+            return
+        if self._own is _ABSENT:
+            self.optimizer.__dict__.pop("step", None)
+        else:
+            self.optimizer.step = self._own
+        self._own = _ABSENT
+        self.installed = False
+
+    def _read_counters(self) -> list[tuple[int, int]]:
+        """Per group: (smallest, largest) step counter, moving CPU counters to the device (one host read in all)."""
+        opt = self.optimizer
+        per_group: list[list[Tensor]] = []
+        for g in opt.param_groups:
+            steps = []
+            for p in g["params"]:
+                state = opt.state.get(p)
+                if state and isinstance(state.get("step"), Tensor):
+                    if state["step"].device != p.device:
+                        state["step"] = state["step"].to(device=p.device)
+                    steps.append(state["step"])
+            per_group.append(steps)
+        flat = [s for steps in per_group for s in steps]
+        values = torch.stack([s.reshape(()).to(torch.float64) for s in flat]).tolist() if flat else []
+        out, i = [], 0
+        for steps in per_group:
+            vals = [int(v) for v in values[i:i + len(steps)]] or [0]
+            i += len(steps)
+            out.append((min(vals), max(vals)))
+        return out
+
+    # -- per step ------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Before every step: copy changed float ``lr`` values to the device and fill the tables ahead."""
+        taken = self.step_count() - self._count0 if self.step_count is not None else self._calls
+        self._calls += 1
+        for group, g in zip(self.optimizer.param_groups, self.groups):
+            b1, b2 = group["betas"]
+            if (b1, b2) != g.table.betas:  # a new constant: the engine re-captures (OptimizerPrep's frozen scalars)
+                g.table = ScalarTable(float(b1), float(b2), self.device)
+            lr = group["lr"]
+            if lr != g.lr_value:
+                g.lr.fill_(float(lr))
+                g.lr_value = lr
+            upper = g.hi + taken + 1  # no counter can be past this after the coming step
+            table = g.table
+            if upper > table.filled_to:
+                if upper + CHUNK - SLOTS >= g.lo:  # the ring would overwrite steps a counter may still be at
+                    self._reread()
+                    return self.sync()
+                table.fill_to(upper + CHUNK)
+
+    def _reread(self) -> None:
+        for g, (lo, hi) in zip(self.groups, self._read_counters()):
+            g.lo, g.hi = lo, hi
+        self._count0 = self.step_count() if self.step_count is not None else 0
+        self._calls = 0
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        """The device tensors a captured step reads besides the optimizer state (for address checks)."""
+        out: list[tuple[str, Tensor]] = []
+        for i, g in enumerate(self.groups):
+            out.append((f"param group {i} lr (float64) tensor", g.lr))
+            out.append((f"param group {i} bias-correction table", g.table.values))
+        return out
+
+    @contextlib.contextmanager
+    def torchs_step(self) -> Iterator[None]:
+        """Run torch's own ``step`` inside the block (the reference of ``verify_steps``)."""
+        if not self.installed:
+            yield
+            return
+        self.remove()
+        try:
+            yield
+        finally:
+            self._take_step()
+
+    # -- the step ------------------------------------------------------------------------------
+    def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        mark_step_called(opt)
+        with torch.no_grad():
+            for group, g in zip(opt.param_groups, self.groups):
+                params: list[Tensor] = []
+                grads: list[Tensor] = []
+                exp_avgs: list[Tensor] = []
+                exp_avg_sqs: list[Tensor] = []
+                max_exp_avg_sqs: list[Tensor] = []
+                steps: list[Tensor] = []
+                adam_init_group(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+                for j, s in enumerate(steps):
+                    if s.device != params[j].device:  # state created now, with a CPU counter (0): on the device
+                        steps[j] = opt.state[params[j]]["step"] = torch.zeros((), dtype=s.dtype, device=params[j].device)
+                        g.lo = 0
+                foreach = group["foreach"]
+                if foreach is None:
+                    foreach = adam_default_foreach(params)
+                beta1, beta2 = group["betas"]
+                update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=bool(foreach),
+                       amsgrad=group["amsgrad"], maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=g.lr,
+                       weight_decay=group["weight_decay"], eps=group["eps"],
+                       decoupled_weight_decay=group["decoupled_weight_decay"], table=g.table.values, tail=self.tail)
+        return loss

@@ -1,0 +1,302 @@
+"""``optimizer_math="eager"``: the user's own torch Adam/AdamW update, captured (``core/user_adam.py``), on CPU.
+
+Graphed training must give the bits of the user's eager run with their unmodified optimizer. Here the graph is the tape
+(``tests/_tape.py``) and the kernels are torch's CPU kernels, so these tests prove the scalar path: every number torch's
+Python computes on the host (bias corrections, step size, decay factor) reaches the kernels as the same float32 from
+device memory, from the host's own float64 values. That the CUDA kernels' rounding is mirrored too is the GPU tier's part
+(``tests/gpu/test_user_optimizer_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _tape import TapeBackend
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from test_lightning_cpu import CFG, Rec, TinyGPT, Windows
+from torch import nn
+from torch.utils.data import DataLoader
+
+from nemo_cudagraph_plugin import CudaGraphCallback
+from nemo_cudagraph_plugin.core import user_adam
+from nemo_cudagraph_plugin.core.optim import OptimizerPrep
+from nemo_cudagraph_plugin.core.user_adam import SLOTS, ScalarTable, UserMathAdam, device_scalars
+
+LR = 3e-4  # not a float32: a float32 lr tensor would already change the update
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the scalars, against torch's own host computation
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("beta1,beta2,lr,wd", [(0.9, 0.999, 1e-3, 0.01), (0.9, 0.95, 3e-4, 0.1),
+                                               (0.8, 0.99, 7.7e-5, 0.0), (0.95, 0.9999, 2.5e-2, 1e-4)])
+def test_device_scalars_are_torchs_host_scalars_bit_for_bit_over_a_million_steps(beta1, beta2, lr, wd):
+    steps = range(1, 10**6 + 1)
+    # torch's non-capturable multi-tensor update, as its Python computes them (torch/optim/adam.py)
+    bc1 = [1 - beta1 ** float(k) for k in steps]
+    want_step = torch.tensor([(lr / b) * -1 for b in bc1], dtype=torch.float64).to(torch.float32)
+    want_bc2s = torch.tensor([(1 - beta2 ** float(k)) ** 0.5 for k in steps], dtype=torch.float64).to(torch.float32)
+    table = ScalarTable(beta1, beta2, torch.device("cpu"))
+    lr_t = torch.tensor(lr, dtype=torch.float64)
+    got_step, got_bc2s = [], []
+    for start in range(1, 10**6 + 1, SLOTS // 2):  # the ring, filled ahead as training goes
+        stop = min(start + SLOTS // 2, 10**6 + 1)
+        table.fill_to(stop - 1)
+        s, b = device_scalars(table.values, torch.arange(start, stop, dtype=torch.float32), lr_t)
+        got_step.append(s)
+        got_bc2s.append(b)
+    assert torch.equal(torch.cat(got_step), want_step)
+    assert torch.equal(torch.cat(got_bc2s), want_bc2s)
+    want_decay = torch.tensor(1 - lr * wd, dtype=torch.float64).to(torch.float32)
+    assert torch.equal(user_adam.decay_factor(lr_t, wd), want_decay)
+
+
+def test_the_decay_factor_is_the_hosts_double_rounded_once_to_float32():
+    lrs = torch.logspace(-6, -1, 100_000, dtype=torch.float64)
+    for wd in (0.1, 0.01, 0.05):
+        want = torch.tensor([1 - lr * wd for lr in lrs.tolist()], dtype=torch.float64).to(torch.float32)
+        assert torch.equal(user_adam.decay_factor(lrs, wd), want)
+
+
+def test_the_table_holds_the_hosts_pow_not_a_device_pow():
+    # the host's (1 - b2 ** k) ** 0.5 is libm pow(x, 0.5), which need not be sqrt(x) rounded; the table keeps the former
+    table = ScalarTable(0.9, 0.999, torch.device("cpu"))
+    table.fill_to(5000)
+    k = torch.arange(1, 5001)
+    host = torch.tensor([(1 - 0.999 ** float(i)) ** 0.5 for i in k.tolist()], dtype=torch.float64)
+    assert torch.equal(table.values[1, k], host)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the update, against torch's own step
+# ----------------------------------------------------------------------------------------------------------
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("cls,foreach,amsgrad,maximize,wd", [
+    (cls, fe, ams, mx, wd) for cls, fe, ams, mx, wd in itertools.product(
+        (torch.optim.AdamW, torch.optim.Adam), (True, False, None), (False, True), (False, True), (0.0, 0.1))])
+def test_the_update_is_the_users_eager_step_bit_for_bit(cls, foreach, amsgrad, maximize, wd):
+    a, b = _model(), _model()
+    kw = dict(lr=LR, betas=(0.9, 0.95), weight_decay=wd, foreach=foreach, amsgrad=amsgrad, maximize=maximize)
+    ref, opt = cls(a.parameters(), **kw), cls(b.parameters(), **kw)
+    user = UserMathAdam(opt, torch.device("cpu"))
+    user.install()
+    x = torch.randn(8, 16)
+    for i in range(20):
+        for m, o in ((a, ref), (b, opt)):
+            o.zero_grad()
+            m(x * (1 + i % 3)).square().mean().backward()
+            for g in o.param_groups:
+                g["lr"] = LR * 0.97 ** i  # a schedule assigning floats
+        user.sync()
+        ref.step()
+        opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    user.remove()
+    assert "step" not in opt.__dict__
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Lightning fits on the tape
+# ----------------------------------------------------------------------------------------------------------
+class UserAdamGPT(TinyGPT):
+    """The tiny GPT with the optimizer a user writes: torch's AdamW, float lr, warm-up + cosine."""
+
+    def __init__(self, opt_kw=None, schedule=True):
+        super().__init__()
+        self.opt_kw = opt_kw or {}
+        self.schedule = schedule
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        kw = {"lr": LR, "betas": (0.9, 0.95), **self.opt_kw}
+        cls = kw.pop("cls", torch.optim.AdamW)
+        opt = cls([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], **kw)
+        if not self.schedule:
+            return opt
+
+        def warm_cos(step):
+            return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * min(step, 40) / 40))
+
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, warm_cos), "interval": "step"}}
+
+
+def _fit(graphed, opt_kw=None, cb_kw=None, steps=12, callbacks=(), ckpt_path=None, trainer_kw=None, batches=None):
+    pl.seed_everything(0, verbose=False)
+    module = UserAdamGPT(opt_kw)
+    cbs = list(callbacks)
+    cb = None
+    if graphed:
+        cb = CudaGraphCallback(**(cb_kw or {}))
+        cb.step_runner.backend = TapeBackend()
+        cbs.insert(0, cb)
+    rec = Rec()
+    trainer_kw = dict(trainer_kw or {})
+    acc = trainer_kw.get("accumulate_grad_batches", 1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=3, callbacks=[*cbs, rec],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, **trainer_kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_dataloaders=DataLoader(Windows(batches or steps * acc), batch_size=2),
+                    ckpt_path=ckpt_path)
+    return rec, [p.detach().clone() for p in module.parameters()], cb, trainer
+
+
+def _same(g, e):
+    (grec, gp, _, _), (erec, ep, _, _) = g, e
+    return grec.losses == erec.losses and all(torch.equal(a, b) for a, b in zip(gp, ep))
+
+
+CASES = {
+    "adamw-foreach": ({"foreach": True}, {}),
+    "adamw-for-loop": ({}, {}),  # torch's default on CPU tensors
+    "adam-amsgrad-maximize": ({"cls": torch.optim.Adam, "foreach": True, "amsgrad": True}, {}),
+    "adamw-foreach-clip": ({"foreach": True}, {"gradient_clip_val": 0.5}),
+    "adamw-foreach-accumulate": ({"foreach": True}, {"accumulate_grad_batches": 2}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise(case):
+    opt_kw, trainer_kw = CASES[case]
+    e = _fit(False, opt_kw, trainer_kw=trainer_kw)
+    g = _fit(True, opt_kw, trainer_kw=trainer_kw)
+    stats = g[2].stats
+    assert stats.replays > 0 and stats.optimizer_math == ""
+    assert _same(g, e), "the graphed fit differs from the user's eager fit"
+
+
+@pytest.mark.parametrize("math_", ["capturable", "eager"])
+def test_only_the_eager_math_reproduces_the_users_run(monkeypatch, math_):
+    # torch refuses capturable=True on CPU parameters (a device check only): lifted for this comparison
+    monkeypatch.setattr(importlib.import_module("torch.optim.adam"), "_get_capturable_supported_devices",
+                        lambda supports_xla=True: ["cuda", "cpu"])
+    a, b = _model(), _model()
+    ref = torch.optim.AdamW(a.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(b.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    prep = OptimizerPrep(opt, torch.device("cpu"), math=math_)
+    prep.apply()  # what a graph replays is this optimizer's step (the tape fits above: the eager math's)
+    x = torch.randn(8, 16)
+    for i in range(10):
+        for m, o in ((a, ref), (b, opt)):
+            o.zero_grad()
+            m(x * (1 + i % 3)).square().mean().backward()
+        prep.sync_hyperparams()
+        ref.step()
+        opt.step()
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert same == (math_ == "eager")  # float32 lr and device bias corrections do not give the user's bits
+    prep.restore()
+
+
+def test_an_accumulation_schedule_and_verify_steps_against_the_users_step():
+    sched = lambda: [GradientAccumulationScheduler({0: 1, 1: 2})]  # noqa: E731  (epochs of 8 batches)
+    e = _fit(False, {"foreach": True}, callbacks=sched(), batches=8)
+    g = _fit(True, {"foreach": True}, cb_kw={"verify_steps": 3}, callbacks=sched(), batches=8)
+    assert g[2].stats.verified_steps == 3
+    assert _same(g, e)
+
+
+def test_resume_from_a_checkpoint_equals_the_users_resumed_eager_fit(tmp_path):
+    first = _fit(False, {"foreach": True}, steps=6)
+    path = tmp_path / "six.ckpt"
+    first[3].save_checkpoint(path)
+    e = _fit(False, {"foreach": True}, steps=14, ckpt_path=str(path))
+    g = _fit(True, {"foreach": True}, steps=14, ckpt_path=str(path))
+    assert g[2].stats.replays > 0
+    assert _same(g, e)
+
+
+def test_not_covered_optimizers_keep_the_capturable_preparation_and_say_why():
+    p = nn.Parameter(torch.ones(4))
+    fused = torch.optim.AdamW([p], lr=LR, fused=True)
+    prep = OptimizerPrep(fused, torch.device("cpu"), math="eager")
+    prep.apply()
+    assert prep.user is None and "fused" in prep.math_differs
+    prep.restore()
+    plain = torch.optim.AdamW([nn.Parameter(torch.ones(4))], lr=LR, foreach=True)
+    prep = OptimizerPrep(plain, torch.device("cpu"), math="eager")
+    prep.apply()
+    assert prep.user is not None and prep.math_differs == "" and isinstance(plain.param_groups[0]["lr"], float)
+    prep.restore()
+    assert "step" not in plain.__dict__
+
+
+def test_the_table_is_filled_ahead_and_counters_are_read_only_when_they_may_leave_the_ring(monkeypatch):
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=LR, foreach=True)
+    count = [0]
+    user = UserMathAdam(opt, torch.device("cpu"), step_count=lambda: count[0])
+    user.install()
+    p.grad = torch.ones(4)
+    opt.step()  # the state (a counter at 1)
+    count[0] += 1
+    reads = []
+    real = user._read_counters
+    monkeypatch.setattr(user, "_read_counters", lambda: reads.append(1) or real())
+    for _ in range(SLOTS):  # the host counts steps the device never took: its bound runs ahead of the counter
+        count[0] += 1
+        user.sync()
+        assert user.groups[0].table.filled_to >= user.groups[0].hi + count[0] - user._count0 + 1
+    assert 1 <= len(reads) <= 2  # one read per SLOTS - CHUNK steps of spread, none per step
+    assert CFG.n_embd  # the shared GPT config is importable (the fits above use it)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the kernel (Triton's interpreter on the CPU)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def interpreted(monkeypatch):
+    import os
+
+    from nemo_cudagraph_plugin.core import adam_tail
+
+    if os.environ.get("NCG_REQUIRE_TRITON") == "1":
+        importlib.import_module("triton")
+    else:
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    adam_tail._eager_kernel.cache_clear()
+    yield
+    adam_tail._eager_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("from_v", [True, False])
+def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted, from_v):
+    from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 31, 32, 33, 100, 200]
+    ps = [torch.randn(n, generator=g) * 1e-3 for n in sizes]  # updates of their size: roundings show
+    ms = [torch.randn(n, generator=g) * 1e-2 for n in sizes]
+    vs = [torch.rand(n, generator=g) * 1e-4 + 1e-12 for n in sizes]
+    step_size = torch.tensor([-5.2631e-4, -1e-3, -3.3e-4, -2e-3, -7.1e-4, -1e-4], dtype=torch.float32)
+    bc2s = torch.tensor([0.0447, 0.1, 0.3, 0.99, 0.5, 0.7], dtype=torch.float32)
+    before = [p.clone() for p in ps]
+    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, bc2s, step_size, 1e-8, from_v=from_v)
+    f32 = lambda x: x.to(torch.float32).to(torch.float64)  # noqa: E731  (round to float32, keep computing exactly)
+    for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
+        d = v.double()
+        if from_v:  # _foreach_sqrt, _foreach_div_ by the float32 scalar, _foreach_add_(eps): each rounded
+            d = f32(f32(f32(d.sqrt()) / bc2s[j].double()) + f32(torch.tensor(1e-8, dtype=torch.float64)))
+        q = f32(m.double() / d)
+        # one rounding of p + s * q (an FMA); s * q is exact in float64, the float64 sum then rounds once more (a
+        # float32 tie after it has probability ~2^-29 per element)
+        want = (p0.double() + step_size[j].double() * q).to(torch.float32)
+        two_roundings = f32(p0.double() + f32(step_size[j].double() * q)).float()
+        assert torch.equal(p, want), f"tensor {j}: {(p != want).sum()} elements differ"
+        if j == len(sizes) - 1:
+            assert not torch.equal(want, two_roundings)  # the data tells an FMA from a multiply and an add
