@@ -41,7 +41,6 @@ with padding) reads sequence lengths on the host and is refused at capture with 
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any, Optional
 
@@ -225,15 +224,12 @@ def _compute_dtype(experts: nn.Module, hidden: torch.Tensor) -> torch.dtype:
 def _grouped_gemm_captures(device: torch.device, dtype: torch.dtype) -> bool:
     """On a CUDA GPU torch's grouped GEMM reads its offsets on the device only in BF16 (SM80+); other dtypes copy
     them to the host. On the CPU (no graphs; CPU tests replay the step) its kernel reads them where they lie."""
-    if device.type == "cpu":
-        return hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
-    return device.type == "cuda" and dtype == torch.bfloat16 and _sm80_grouped_gemm(device.index)
-
-
-@functools.cache
-def _sm80_grouped_gemm(index: Optional[int]) -> bool:
     has_op = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
-    return has_op and torch.cuda.get_device_capability(index) >= (8, 0)
+    if device.type == "cpu":
+        return has_op
+    # asked as HF asks it, in a form torch.compile traces without a graph break (no cache wrapper)
+    return (has_op and device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def graph_safe_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -273,12 +273,14 @@ def test_the_prepared_variants_callback_prepares_the_optimizer_as_ours_on_cuda_a
 
     from benchmarks.harness.child import make_prepared_eager
     from nemo_cudagraph_plugin.core import optim
+    from nemo_cudagraph_plugin.core.config import CaptureConfig
 
     calls = []
 
     class Prep:
-        def __init__(self, optimizer, device):
+        def __init__(self, optimizer, device, math, step_count):
             calls.append(("init", optimizer, device.type))
+            assert math == CaptureConfig().optimizer_math and step_count() == 0  # as the callback prepares it
 
         def apply(self):
             calls.append("apply")
@@ -291,7 +293,7 @@ def test_the_prepared_variants_callback_prepares_the_optimizer_as_ours_on_cuda_a
 
     monkeypatch.setattr(optim, "OptimizerPrep", Prep)
     opt = object()
-    trainer = types.SimpleNamespace(optimizers=[opt])
+    trainer = types.SimpleNamespace(optimizers=[opt], global_step=0)
     gpu = types.SimpleNamespace(device=torch.device("cuda", 0), modules=lambda: iter(()))
     notes: list[str] = []
     cb = make_prepared_eager(notes)

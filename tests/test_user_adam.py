@@ -300,3 +300,13 @@ def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted, from_v
         assert torch.equal(p, want), f"tensor {j}: {(p != want).sum()} elements differ"
         if j == len(sizes) - 1:
             assert not torch.equal(want, two_roundings)  # the data tells an FMA from a multiply and an add
+
+
+def test_the_for_loop_update_on_cuda_is_left_to_the_capturable_math_and_says_why(monkeypatch):
+    from nemo_cudagraph_plugin.core import user_adam
+    from nemo_cudagraph_plugin.core.user_adam import why_not
+
+    monkeypatch.setattr(user_adam, "triton_available", lambda: True)  # as on a GPU host
+    p = nn.Parameter(torch.ones(4))
+    assert "for-loop update (foreach=False)" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
+    assert why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cpu") is None

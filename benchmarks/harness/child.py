@@ -151,8 +151,14 @@ def make_prepared_eager(notes: list[str]) -> Any:
     (``OptimizerPrep.apply`` accepts them, the first ``step`` raises)."""
     import lightning.pytorch as pl
 
+    from nemo_cudagraph_plugin.core.config import CaptureConfig
     from nemo_cudagraph_plugin.core.optim import OptimizerPrep
-    from nemo_cudagraph_plugin.hf import graph_safe_attention, graph_safe_experts, restore_attention, restore_experts
+    from nemo_cudagraph_plugin.hf import (
+        graph_safe_attention,
+        graph_safe_experts,
+        restore_attention,
+        restore_experts,
+    )
 
     class PreparedEager(pl.Callback):
         def __init__(self) -> None:
@@ -166,7 +172,9 @@ def make_prepared_eager(notes: list[str]) -> Any:
                 return
             self.switched = graph_safe_attention(pl_module)
             self.experts = graph_safe_experts(pl_module)  # the experts ours switches to, for the same kernels
-            self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device)
+            # the callback's default optimizer math: the user's own update where it covers the optimizer
+            self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device, math=CaptureConfig().optimizer_math,
+                                      step_count=lambda: trainer.global_step)
             self.prep.apply()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

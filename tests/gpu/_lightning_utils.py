@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from nemo_cudagraph_plugin.core.config import CaptureConfig
 from nemo_cudagraph_plugin.core.optim import OptimizerPrep
 from recipes.gpt import GPTLightningModule, get_config
 
@@ -39,7 +40,9 @@ class CapturableEager(pl.Callback):
     """
 
     def on_train_start(self, trainer, pl_module):
-        self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device)
+        # as the callback prepares it, with its default optimizer math (the user's own where it covers the optimizer)
+        self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device, math=CaptureConfig().optimizer_math,
+                                  step_count=lambda: trainer.global_step)
         self.prep.apply()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -201,10 +201,6 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
                timer.steps)
 
 
-def _has_experts(case: Case) -> bool:
-    return hasattr(case.config(), "num_experts_per_tok")
-
-
 def _then(first: Optional[Callable[[Any], Any]], second: Callable[[Any], Any]) -> Callable[[Any], None]:
     def both(model: Any) -> None:
         if first is not None:
@@ -232,11 +228,9 @@ def test_zoo_case_trains_bitwise_as_its_eager_reference(name):
     ref = _fit(case, "reference")
     plain = _fit(case, "plain")
     g = _fit(case, "graphed")
-    # where the graph runs the user's own optimizer math (optimizer_math="eager" covers it: stats say nothing), the
-    # user's unmodified run is the reference; elsewhere the run with the optimizer prepared as under graphs
-    want = plain if g.stats.optimizer_math == "" and not _has_experts(case) else ref
+    want = ref
     same = torch.equal(g.losses, want.losses)
-    _row(name, g, ref, plain, ("bitwise" if same else "DIFFERS") + (" (vs plain)" if want is plain else ""))
+    _row(name, g, ref, plain, "bitwise" if same else "DIFFERS")
     # every step after the eager warm-up (3; 12 under DDP) and the capture is a replay
     assert g.stats.replays == STEPS - g.stats.warmup_steps - g.stats.captures and not g.stats.eager_steps, \
         g.stats.summary()
