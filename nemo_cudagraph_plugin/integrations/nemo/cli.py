@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from .._fiddle import _get, _params
+from ..buildables import get_attr, parameter_names
 from ..megatron.graph_fields import MEGATRON_IMPLS
 from .flag import with_cuda_graph
 
@@ -83,8 +83,8 @@ def check_on_cpu(recipe: Any) -> Any:
     checked.trainer.accelerator = "cpu"
     checked.trainer.devices = 1
     checked.trainer.num_nodes = 1
-    model_cfg = _get(_get(checked, "model"), "config")
-    if model_cfg is not None and "apply_rope_fusion" in _params(model_cfg):
+    model_cfg = get_attr(get_attr(checked, "model"), "config")
+    if model_cfg is not None and "apply_rope_fusion" in parameter_names(model_cfg):
         try:
             importlib.import_module("transformer_engine")
         except ImportError:
