@@ -346,6 +346,18 @@ def test_cli_reports_bad_recipe_without_traceback(capsys):
     assert "needs a nemo_run.Partial/Config recipe" in capsys.readouterr().err
 
 
+def test_cli_without_nemo_says_which_nemo_to_install(monkeypatch, capsys):
+    from nemo_cudagraph_plugin.integrations.nemo import cli
+
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'nemo'", name="nemo")
+
+    monkeypatch.setattr(cli, "_resolve_factory", missing)
+    assert flag.main(["llama3_8b", "--cuda-graph"]) == 2
+    err = capsys.readouterr().err
+    assert "No module named 'nemo'" in err and "pip install 'nemo_cudagraph_plugin[nemo]'" in err and "2.7.3" in err
+
+
 def test_with_cuda_graph_input_errors():
     with pytest.raises(ValueError, match="unknown option"):
         with_cuda_graph(object(), warmpu_steps=3)
