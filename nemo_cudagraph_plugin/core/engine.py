@@ -184,12 +184,11 @@ class CaptureEngine:
         self._verify_left = config.verify_steps
 
     # ------------------------------------------------------------------------------------------
-    # public entry
+    # the step, and what drops graphs
     # ------------------------------------------------------------------------------------------
     @property
     def named_params(self) -> list[tuple[str, Tensor]]:
-        """The trainable ``(name, parameter)`` pairs (:meth:`set_params` changes them)."""
-        return self.addresses.named_params
+        return self.addresses.named_params  # the trainable (name, parameter) pairs; set_params changes them
 
     @property
     def dirty(self) -> bool:
@@ -211,10 +210,9 @@ class CaptureEngine:
             fn: performs the step eagerly or, during capture, records it.
             quiet_fn: like ``fn`` but without host-visible side effects (logging); used for the
                 eager half of ``verify_steps``. Defaults to ``fn``.
-            fresh_grads: the step zeroes every gradient before backward and steps the optimizer
-                (no accumulation across steps), so its graph may own the gradients. The gradients from before such
-                a step are dead values: its capture drops them first and its warm-up keeps no copy, so the peak
-                holds one set of gradients, as eager training does.
+            fresh_grads: the step zeroes every gradient before backward and steps the optimizer (no accumulation
+                across steps), so its graph may own the gradients; its capture drops the previous ones first and its
+                warm-up keeps no copy, so the peak holds one set of gradients, as eager training does.
         """
         leaves, spec = flatten(batch)
         full_key = (signature_of(leaves, spec), key)
@@ -293,7 +291,7 @@ class CaptureEngine:
             self.stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
 
     # ------------------------------------------------------------------------------------------
-    # internals
+    # warm-up (eager steps), then capture; the replay is GraphEntry.replay, called by step()
     # ------------------------------------------------------------------------------------------
     def _after_eager(self) -> None:
         """State may have been created by an eager step (first gradient of a parameter, lazy

@@ -378,7 +378,7 @@ class LightningStepRunner:
             self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
 
     def after_replay(self, entry: GraphEntry) -> None:
-        """After every replay (the engine's adapter; bound once by the engine)."""
+        """After every replay (the engine's adapter)."""
         delta = entry.meta.get("progress")
         if delta is not None:
             delta.apply()
