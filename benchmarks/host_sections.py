@@ -101,9 +101,10 @@ class Instrument(pl.Callback):
         engine_mod.flatten = sec.wrap("engine: batch flatten", engine_mod.flatten)
         engine_mod.signature_of = sec.wrap("engine: signature", engine_mod.signature_of)
         engine.step = sec.wrap("engine.step (all)", engine.step)
-        if engine.after_replay is not None:
-            engine.after_replay = sec.wrap("engine: progress counters", engine.after_replay)
-        on_capture = engine.on_capture
+        # The engine asks its adapter (the runner) for these when it needs them: wrapped on the runner.
+        if runner.after_replay is not None:
+            runner.after_replay = sec.wrap("engine: progress counters", runner.after_replay)
+        on_capture = runner.on_capture
 
         def captured(entry: Any) -> None:
             on_capture(entry)
@@ -113,7 +114,7 @@ class Instrument(pl.Callback):
             if entry.io is not None:  # io_in_graph: the graph copies; the host points its nodes at the tensors
                 entry.io.bind = sec.wrap("engine: io bind (batch in, outputs out)", entry.io.bind)
 
-        engine.on_capture = captured
+        runner.on_capture = captured
         runner.logs.emit = sec.wrap("run: logs.emit (all)", runner.logs.emit)
         _compat.fast_log = sec.wrap("run: fast_log", _compat.fast_log)
         _compat.step_key = sec.wrap("run: step key", _compat.step_key)

@@ -4,9 +4,24 @@
   tokenizer, the embedded public-domain corpus, ``GPTDataModule`` and ``GPTLightningModule``. Reused by the
   benchmarks and the GPU tests.
 * :mod:`recipes.gpt_pretrain` — the ``gpt-pretrain`` command line (``python -m recipes.gpt_pretrain``).
+
+The package re-exports :mod:`recipes.gpt`'s public API (listed once there) on first access, so that the command
+line's ``--help`` answers before torch is imported.
 """
 
-from recipes import gpt
-from recipes.gpt import *  # noqa: F403 - the package re-exports recipes.gpt's public API, listed once there
+from __future__ import annotations
 
-__all__ = list(gpt.__all__)
+import importlib
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__") and name != "__all__" or name in ("gpt", "gpt_config", "gpt_pretrain", "pretrain_cli"):
+        # dunders the import system probes, and submodules not imported yet: not recipes.gpt's names
+        raise AttributeError(f"module 'recipes' has no attribute {name!r}")
+    gpt = importlib.import_module("recipes.gpt")
+    if name == "__all__":
+        return list(gpt.__all__)
+    if name in gpt.__all__:
+        return getattr(gpt, name)
+    raise AttributeError(f"module 'recipes' has no attribute {name!r}")

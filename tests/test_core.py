@@ -15,6 +15,7 @@ from nemo_cudagraph_plugin.core import (
     CaptureStats,
     GraphCache,
     NanGuard,
+    NanPolicy,
     NonFiniteError,
     OptimizerPrep,
     StaticInputs,
@@ -148,6 +149,32 @@ def test_config_nan_modes():
     assert CaptureConfig().nan_mode == "full"
     assert CaptureConfig(nan_guard="loss").nan_mode == "loss"
     assert CaptureConfig(nan_guard=False).nan_mode == "off"
+    assert CaptureConfig(nan_action="skip").nan_skips and not CaptureConfig().nan_skips
+
+
+def test_skipping_bad_updates_needs_the_nan_guard():
+    with pytest.raises(ValueError, match=r"nan_guard=False\) is invalid: nan_action='skip' needs the NaN guard"):
+        CaptureConfig(nan_guard=False, nan_action="skip")
+
+
+@pytest.mark.parametrize(("options", "one_process", "want"), [
+    ({"nan_guard": False}, True, None),
+    ({}, True, ("full", True, True)),
+    ({}, False, ("full", True, False)),
+    ({"nan_guard": "loss"}, True, ("loss", True, False)),
+    ({"nan_action": "skip"}, True, ("full", False, False)),
+    ({"nan_guard": "loss", "nan_action": "skip"}, True, ("loss", False, False)),
+])
+def test_nan_policy_is_built_from_the_config_alone(options, one_process, want):
+    """One reading of nan_guard/nan_action: the guard's mode, whether a bad read raises, whether the loss may be
+    watched instead of the gradients."""
+    p = torch.nn.Parameter(torch.ones(2))
+    policy = NanPolicy.from_config(CaptureConfig(**options), [("p", p)], torch.device("cpu"), CaptureStats(),
+                                   one_process=one_process, step=lambda: 0)
+    got = None if policy is None else (policy.guard.mode, policy.raise_on_bad, policy.may_watch)
+    assert got == want
+    if policy is not None:
+        assert policy.can_read_clipping_norms == (want[0] == "full" and want[1])
 
 
 # -- optimizer prep ----------------------------------------------------------------------------
@@ -324,29 +351,28 @@ def test_location_in_library_code_is_named_and_marked(tmp_path, monkeypatch):
     import importlib
 
     model = importlib.import_module("somelib.model")
-    try:
+    with pytest.raises(RuntimeError) as raised:
         model.forward(_CudaLike())
-    except RuntimeError as exc:
-        loc = user_location(exc.__traceback__)
-        # The test file called it, so the user frame (this file) wins ...
-        assert loc is not None and loc.startswith(__file__) and "library" not in loc
-        # ... and without a user frame the library line is named and marked.
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next
-        lib = user_location(tb)
-        assert lib == f"{site / 'model.py'}:2 (library code)", lib
-        err = capture_error_from(exc.with_traceback(tb), "capture")
-        assert err.location == f"{site / 'model.py'}:2" and "installed library code" in str(err)
-        assert err.rule == "host-sync"
+    exc = raised.value
+    loc = user_location(exc.__traceback__)
+    # The test file called it, so the user frame (this file) wins ...
+    assert loc is not None and loc.startswith(__file__) and "library" not in loc
+    # ... and without a user frame the library line is named and marked.
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    lib = user_location(tb)
+    assert lib == f"{site / 'model.py'}:2 (library code)", lib
+    err = capture_error_from(exc.with_traceback(tb), "capture")
+    assert err.location == f"{site / 'model.py'}:2" and "installed library code" in str(err)
+    assert err.rule == "host-sync"
 
 
 def test_user_location_skips_library_frames():
-    try:
+    with pytest.raises(RuntimeError) as raised:
         torch.ones(2).view(3)
-    except RuntimeError as exc:
-        loc = user_location(exc.__traceback__)
-        assert loc is not None and "test_core.py" in loc and "torch" not in loc.split(":")[0].split("/")[-1]
+    loc = user_location(raised.value.__traceback__)
+    assert loc is not None and "test_core.py" in loc and "torch" not in loc.split(":")[0].split("/")[-1]
 
 
 # -- NaN guard ---------------------------------------------------------------------------------

@@ -138,3 +138,72 @@ def test_the_installer_check_sees_a_plan_built_elsewhere(tmp_path):
     (pkg / "fp8" / "refresh.py").write_text("class Fp8RefreshPlan: ...\nFp8RefreshPlan()\n")
     (pkg / "fp8" / "pipeline.py").write_text("from . import refresh\n\nrefresh.Fp8RefreshPlan([])\n")
     assert refresh_plans_built_outside_the_installer(pkg) == [f"{PKG}/fp8/pipeline.py:3"]
+
+
+# Modules that wrap another library's private API (and say which versions they were checked against): the one place
+# each such name is used. Everything else reaches it through them.
+COMPAT_MODULES = {
+    f"{PKG}.core._torch_compat": "torch's private APIs",
+    f"{PKG}.lightning._compat": "Lightning's private APIs",
+    f"{PKG}.fp8._te_compat": "TransformerEngine's private APIs",
+}
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _package_of(module: str, root: Path) -> str:
+    """The package a module belongs to: itself for a package (``__init__.py``), else its parent."""
+    rel = Path(*module.split(".")[1:]) if "." in module else Path()
+    return module if (root / rel).is_dir() else module.rpartition(".")[0]
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """Imports of a ``_private`` module or name that belongs to another package than the importer's: a private
+    module belongs to the package that holds it, a private name to its module's package. Third-party private names
+    count too (``torch.utils._python_dispatch``); only :data:`COMPAT_MODULES` may import those."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        own = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for line, name in imported_names(path, root):
+            parts = name.split(".")
+            i = next((k for k, p in enumerate(parts) if _is_private(p)), None)
+            if i is None or i == 0:
+                continue
+            holder = ".".join(parts[:i])
+            owner = _package_of(holder, root) if holder.startswith(PKG + ".") or holder == PKG else holder
+            if owner == own:
+                continue
+            if not holder.startswith(PKG) and module in COMPAT_MODULES:
+                continue
+            bad.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {name}")
+    return sorted(set(bad))
+
+
+def test_no_module_imports_another_packages_private_names():
+    assert private_imports() == []
+
+
+def test_the_private_import_check_sees_a_planted_violation(tmp_path):
+    pkg = tmp_path / PKG
+    for sub in ("core", "lightning", "integrations/nemo"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "_torch_compat.py").write_text("from torch.utils._python_dispatch import TorchDispatchMode\n")
+    (pkg / "core" / "engine.py").write_text("from ._torch_compat import copy_all\nfrom .buffers import _private\n")
+    (pkg / "core" / "nan_guard.py").write_text("from torch.utils._python_dispatch import TorchDispatchMode\n")
+    (pkg / "lightning" / "checks.py").write_text("from ..core._torch_compat import compiled_with_cuda_graphs\n")
+    (pkg / "integrations" / "_helpers.py").write_text("def _get(): ...\n")
+    (pkg / "integrations" / "nemo" / "cli.py").write_text("from .._helpers import _get\n")
+    assert private_imports(pkg) == sorted([
+        f"{PKG}/core/nan_guard.py:1: {PKG}.core.nan_guard imports torch.utils._python_dispatch",
+        f"{PKG}/core/nan_guard.py:1: {PKG}.core.nan_guard imports torch.utils._python_dispatch.TorchDispatchMode",
+        f"{PKG}/lightning/checks.py:1: {PKG}.lightning.checks imports {PKG}.core._torch_compat",
+        f"{PKG}/lightning/checks.py:1: {PKG}.lightning.checks imports "
+        f"{PKG}.core._torch_compat.compiled_with_cuda_graphs",
+        f"{PKG}/integrations/nemo/cli.py:1: {PKG}.integrations.nemo.cli imports {PKG}.integrations._helpers",
+        f"{PKG}/integrations/nemo/cli.py:1: {PKG}.integrations.nemo.cli imports {PKG}.integrations._helpers._get",
+    ])

@@ -27,7 +27,7 @@ import warnings
 
 import pytest
 
-from nemo_cudagraph_plugin.integrations import _fiddle
+from nemo_cudagraph_plugin.integrations import buildables
 from nemo_cudagraph_plugin.integrations import nemo as flag
 from nemo_cudagraph_plugin.integrations.megatron import (
     apply_megatron_graph_fields,
@@ -346,6 +346,18 @@ def test_cli_reports_bad_recipe_without_traceback(capsys):
     assert "needs a nemo_run.Partial/Config recipe" in capsys.readouterr().err
 
 
+def test_cli_without_nemo_says_which_nemo_to_install(monkeypatch, capsys):
+    from nemo_cudagraph_plugin.integrations.nemo import cli
+
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'nemo'", name="nemo")
+
+    monkeypatch.setattr(cli, "_resolve_factory", missing)
+    assert flag.main(["llama3_8b", "--cuda-graph"]) == 2
+    err = capsys.readouterr().err
+    assert "No module named 'nemo'" in err and "pip install 'nemo_cudagraph_plugin[nemo]'" in err and "2.7.3" in err
+
+
 def test_with_cuda_graph_input_errors():
     with pytest.raises(ValueError, match="unknown option"):
         with_cuda_graph(object(), warmpu_steps=3)
@@ -634,7 +646,7 @@ def test_idempotent_and_undo_restores_exactly(recipe, caplog):
     assert recipe != original
     with_cuda_graph(recipe, enabled=False)
     assert recipe == original
-    assert _fiddle._explicit(recipe.model.config, "cuda_graph_impl") == _fiddle._UNSET  # unset again, not "none"
+    assert buildables.explicit_arg(recipe.model.config, "cuda_graph_impl") == buildables.UNSET  # unset again, not "none"
     assert _editor._RECORD not in recipe.__dict__
     with_cuda_graph(recipe, enabled=False)  # undoing twice is harmless too
     assert recipe == original
@@ -737,7 +749,7 @@ def test_nemo_run_plugin_edits_task_and_executor(recipe, run):
     script = run.Script(inline="echo hi")
     flag.CudaGraphPlugin().setup(script, run.LocalExecutor())  # a Script is left alone (warning)
     flag.CudaGraphPlugin(enabled=False).setup(recipe, executor)
-    assert _fiddle._explicit(recipe.model.config, "cuda_graph_impl") == _fiddle._UNSET
+    assert buildables.explicit_arg(recipe.model.config, "cuda_graph_impl") == buildables.UNSET
 
 
 @nemo_only
@@ -793,7 +805,7 @@ def test_lightning_tree_callback_mode_builds_trains_and_undoes(run, fdl, caplog)
         with_cuda_graph(recipe, mode="strategy")
     # refused before any edit: still one callback, the strategy not wrapped
     assert len(recipe.trainer.callbacks) == 1
-    assert not _editor._is_ours(_fiddle._get(recipe.trainer, "strategy"), "CudaGraphStrategy")
+    assert not _editor._is_ours(buildables.get_attr(recipe.trainer, "strategy"), "CudaGraphStrategy")
     # The built task trains (eagerly on this CPU machine, as the callback says) with our callback in it.
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -804,7 +816,7 @@ def test_lightning_tree_callback_mode_builds_trains_and_undoes(run, fdl, caplog)
     assert any("training eagerly" in str(w.message) for w in seen)
     with_cuda_graph(recipe, enabled=False)
     assert recipe == original
-    assert _fiddle._explicit(recipe.trainer, "callbacks") == _fiddle._UNSET
+    assert buildables.explicit_arg(recipe.trainer, "callbacks") == buildables.UNSET
 
 
 @nemo_only

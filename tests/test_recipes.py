@@ -8,6 +8,7 @@ import math
 import os
 import re
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -452,6 +453,29 @@ def test_cli_rejects_bad_flags(argv, capsys):
         cli.parse_args(argv)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_help_answers_before_torch_is_imported():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "recipes.gpt_pretrain", "--help"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0 and "--preset" in out.stdout
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "lightning" not in imported, sorted(imported)
+
+
+def test_cli_says_what_a_bad_number_should_be(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--steps", "abc"])
+    err = capsys.readouterr().err
+    assert "--steps: expected a whole number, got 'abc'" in err and "_positive_int" not in err
+
+
+def test_cli_labels_16_mixed_on_a_cpu_with_the_precision_it_trains(monkeypatch):
+    """Lightning trains 16-mixed as bf16-mixed on a CPU: the banner and results.json say bf16-mixed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli.parse_args(["--precision", "16-mixed"])
+    assert args.precision == "bf16-mixed" and "trains bf16-mixed" in args.precision_note
+    assert cli.parse_args(["--precision", "32-true"]).precision_note is None
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Framework-free core: capture engine, static buffers, graph cache, RNG, optimizer prep, NaN guard."""
 
+from ._torch_compat import compiled_with_cuda_graphs
 from .adapter import StepAdapter, StepFunctions
 from .buffers import StaticInputs, flatten, signature_of, unflatten
 from .config import CaptureConfig, CaptureStats
@@ -27,6 +28,7 @@ __all__ = [
     "StepAdapter",
     "StepFunctions",
     "check_optimizer_supported",
+    "compiled_with_cuda_graphs",
     "flatten",
     "portable_optimizer_state",
     "signature_of",

@@ -6,12 +6,14 @@ version the package still runs and warns once; below the minimum it refuses.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from packaging.version import Version
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .warn import check_tested_version
 
@@ -24,6 +26,11 @@ __all__ = [
     "set_found_inf",
     "clear_found_inf",
     "compiled_with_cuda_graphs",
+    "TorchDispatchMode",
+    "FOREACH_NORM",
+    "dispatch_disabled",
+    "written_arguments",
+    "returns_alias",
     "ADAM_STEP_SHAPE",
     "adam_functional",
     "adam_init_group",
@@ -93,6 +100,30 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
         if config is not None and config.get("triton.cudagraphs"):
             return name
     return None
+
+
+# Dispatch modes (``torch.utils._python_dispatch``): the parity recorder (``core/parity.py``) and the NaN guard's
+# norm tap see every operator a step runs, with its schema.
+#: the multi-tensor norm operator (``torch._foreach_norm``), as a dispatch mode sees it
+FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
+
+
+def dispatch_disabled() -> Any:
+    """A context in which the active dispatch modes do not see the operators run (a mode's own work)."""
+    return _disable_current_modes()
+
+
+@functools.cache
+def written_arguments(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """``(position, name, written)`` of each argument of the operator ``func``; ``written``: its schema marks it
+    ``Tensor(a!)`` (read once per operator)."""
+    return tuple((i, a.name, a.alias_info is not None and a.alias_info.is_write)
+                 for i, a in enumerate(func._schema.arguments))
+
+
+def returns_alias(func: Any) -> bool:
+    """Some result of the operator ``func`` is a view of, or a write into, an argument (its schema says so)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 # torch versions whose ``Adam.step``, ``Adam._init_group`` and capturable multi-tensor update

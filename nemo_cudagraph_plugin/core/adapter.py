@@ -1,9 +1,9 @@
 """What the engine asks of the framework that hands it a training step: one adapter object.
 
 :class:`StepAdapter` is the whole interface between :class:`~.engine.CaptureEngine` and a framework adapter (the
-Lightning runner implements it). The engine binds the per-step members (``guards``, ``after_replay``) once, when it is
-built, so a replay calls them without looking anything up; the rest is called at capture, on checks after eager steps
-and around ``verify_steps``, never per replay. :class:`StepFunctions` builds an adapter from plain functions, for
+Lightning runner implements it). The engine asks the adapter for each member when it needs it: ``after_replay`` after
+every replay, the rest at capture, on address checks and around ``verify_steps``; the list of ``guards`` is read
+once, when the engine is built. :class:`StepFunctions` builds an adapter from plain functions, for
 framework-free use.
 """
 
@@ -30,7 +30,7 @@ Named = Union[Tensor, tuple[str, Tensor]]
 class StepAdapter(Protocol):
     """What a framework tells the engine about the steps it hands it.
 
-    Per step (bound once by the engine): :meth:`guards` and ``after_replay``. At capture: ``on_capture``,
+    Per step: :meth:`guards` (read once, when the engine is built) and ``after_replay``. At capture: ``on_capture``,
     :meth:`capture_contexts`, :meth:`post_capture_checks`, :meth:`host_state`. On address checks (capture, after eager
     steps, when a watched tensor was freed): :meth:`state_tensors`, :meth:`watched_tensors`. Around ``verify_steps``:
     :meth:`mutable_tensors`, :meth:`host_state`.

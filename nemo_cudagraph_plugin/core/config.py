@@ -45,7 +45,7 @@ class CaptureConfig:
             later; the reads at epoch and fit end wait (one sync each).
         nan_action: ``"raise"`` stops with :class:`NonFiniteError` naming the parameter;
             ``"skip"`` skips the optimizer update on the device (fused Adam/AdamW/SGD ``found_inf``)
-            and reports how many steps were skipped.
+            and reports how many steps were skipped; it needs the NaN guard (not ``nan_guard=False``).
         verify_steps: the first N graphed steps are also run eagerly from the same state and
             compared (loss, gradient norm, parameters); a mismatch raises :class:`ParityError`.
             Verification leaves training as an unverified run would (every state the step
@@ -152,10 +152,15 @@ class CaptureConfig:
 
     @property
     def nan_mode(self) -> str:
-        """``"off"``, ``"loss"`` or ``"full"``."""
+        """The NaN guard: ``"off"``, ``"loss"`` or ``"full"`` (the one reading of ``nan_guard``)."""
         if self.nan_guard is False:
             return "off"
         return "full" if self.nan_guard in (True, "full") else "loss"
+
+    @property
+    def nan_skips(self) -> bool:
+        """Non-finite updates are skipped on the device (``nan_action="skip"``) instead of raising."""
+        return self.nan_action == "skip"
 
 
 def option_names() -> list[str]:
@@ -208,6 +213,9 @@ def _check(cfg: CaptureConfig, owner: str, typed: Optional[set[str]] = None) -> 
         if cfg.fp8_refresh is False:
             raise bad("fp8_refresh", "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
         cfg.fp8_refresh = True
+    if cfg.nan_action == "skip" and cfg.nan_guard is False:
+        # The guard's gradient check is what finds the updates to skip.
+        raise bad("nan_guard", "nan_action='skip' needs the NaN guard to find the bad updates; drop nan_guard=False")
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -21,6 +21,8 @@ __all__ = [
     "CAPTURE_RULES",
     "KNOWN_LIBRARY_SITES",
     "classify_capture_error",
+    "is_sync_error",
+    "root_cause",
     "locate_frames",
     "user_location",
 ]
@@ -260,6 +262,20 @@ def _library_site(tb: Optional[TracebackType]) -> Optional[traceback.FrameSummar
         ):
             return frame
     return None
+
+
+def is_sync_error(exc: BaseException) -> bool:
+    """``exc`` is torch's error for a host sync (sync debug mode "error") or an operation not allowed in a capture."""
+    text = str(exc).lower()
+    return "synchroniz" in text or "capturing" in text
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception raised inside the captured body, not capture_end's follow-up error."""
+    ctx = exc.__context__
+    if ctx is not None and "captur" in str(exc).lower() and ctx is not exc:
+        return ctx
+    return exc
 
 
 def capture_error_from(exc: BaseException, what: str) -> CaptureError:

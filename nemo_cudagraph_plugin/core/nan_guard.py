@@ -40,14 +40,17 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch_compat import FOREACH_NORM, TorchDispatchMode
 from .errors import NonFiniteError
 from .finite import FiniteCheck, arm, capturing, table_length
+
+if TYPE_CHECKING:
+    from .config import CaptureConfig
 
 __all__ = ["NanGuard", "NanPolicy"]
 
@@ -361,6 +364,28 @@ class NanPolicy:
         self._defer = False  # this step's gradient check is left to the clipping norms
         self._watched = False  # this step's loss was watched (no gradient is read)
 
+    @classmethod
+    def from_config(cls, config: CaptureConfig, named_params: Sequence[tuple[str, Tensor]], device: torch.device,
+                    stats: Any, *, one_process: bool, step: Callable[[], int],
+                    checked_at: int = 0) -> Optional[NanPolicy]:
+        """The guard and policy ``config`` asks for (``nan_guard``, ``nan_action``, ``nan_check_every``); ``None``
+        for ``nan_guard=False``. The loss may be watched where its reads can then scan the parameters: plain tensors
+        (not FP8 or distributed tensor subclasses), a bad gradient kept in its own parameter (``one_process``: no
+        all-reduce mixing them), and nothing skipped (``nan_action="raise"``)."""
+        mode = config.nan_mode
+        if mode == "off":
+            return None
+        may_watch = (mode == "full" and not config.nan_skips and one_process
+                     and all(type(p.data) is Tensor for _, p in named_params))
+        return cls(NanGuard(named_params, device, mode), config.nan_action, config.nan_check_every, stats,
+                   may_watch=may_watch, step=step, checked_at=checked_at)
+
+    @property
+    def can_read_clipping_norms(self) -> bool:
+        """The framework's clipping by norm may stand in for this step's gradient read (:meth:`clip_by_norm`): the
+        guard names parameters and nothing is skipped."""
+        return self.guard.mode == "full" and self.raise_on_bad
+
     # -- the step (inside the captured region) ------------------------------------------------
     def begin_step(self) -> None:
         self._watched = False
@@ -436,7 +461,6 @@ class NanPolicy:
             warnings.warn(f"{report} The optimizer update of those steps was skipped.", stacklevel=4)
 
 
-_FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
 _VECTOR_NORM = torch.ops.aten.linalg_vector_norm.default
 
 
@@ -463,7 +487,7 @@ class _NormTap(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is _FOREACH_NORM:
+        if func is FOREACH_NORM:
             tensors, norms = args[0], out
             order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
         elif func is _VECTOR_NORM and (args[2] if len(args) > 2 else kwargs.get("dim")) is None:

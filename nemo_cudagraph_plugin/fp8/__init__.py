@@ -11,12 +11,21 @@ the backward GEMMs on Hopper) is stale. Eager TE rebuilds it; a CUDA graph does 
 * :func:`after_param_sync` - the hook point for optimizers that write FP8 bytes after their
   parameter all-gather (Megatron-style distributed optimizers, NeMo's distributed Adam).
 * :func:`verify_fp8_transposes` - debug check, byte for byte.
+* :func:`has_te_modules`, :func:`fp8_scaling_state` - TE modules in a model, and the scaling state TE's own
+  kernels update (snapshotted around ``verify_steps``).
 * :mod:`.hazards` - RNG tracker, ``is_first_microbatch`` and delayed-scaling checks for capture.
 
 Importing this package never imports TransformerEngine; FP8 tensors are found by duck typing.
 """
 
-from ._te_compat import UnsupportedFp8ApiError, check_te_version, te_installed, te_version
+from ._te_compat import (
+    UnsupportedFp8ApiError,
+    check_te_version,
+    fp8_scaling_state,
+    has_te_modules,
+    te_installed,
+    te_version,
+)
 from .hazards import (
     FirstMicrobatchCheck,
     check_delayed_scaling_registered,
@@ -46,7 +55,9 @@ __all__ = [
     "check_delayed_scaling_registered",
     "check_te_version",
     "fp8_refresh_wanted",
+    "fp8_scaling_state",
     "graph_safe_rng_generators",
+    "has_te_modules",
     "install_fp8_refresh",
     "iter_fp8_params",
     "named_fp8_params",

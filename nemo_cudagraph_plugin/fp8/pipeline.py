@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .refresh import Fp8RefreshHandle, Fused, install_fp8_refresh, refresh_fp8_transposes
+from .refresh import Fp8RefreshHandle, Fused, install_fp8_refresh
 
 __all__ = [
     "ModelChunks",
@@ -218,10 +218,9 @@ def align_fp8_transposes(
     Returns:
         The number of FP8 parameters refreshed (0 when the chunks hold none).
     """
-    params = chunk_parameters(model_chunks)
-    if sync_group:
-        _refuse_sync_in_capture()
-    n = refresh_fp8_transposes(params)
-    if sync_group:
-        sync_pipeline_group(pp_group)
-    return n
+    # One refresh through the installer (TransposeAligner), removed again: a loop calls the aligner itself.
+    aligner = TransposeAligner(model_chunks, pp_group, sync_group)
+    try:
+        return aligner()
+    finally:
+        aligner.remove()

@@ -13,11 +13,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..core._torch_compat import compiled_with_cuda_graphs
+from ..core import compiled_with_cuda_graphs
 from ..core.config import CaptureConfig
 from ..core.optim import check_optimizer_supported
 
-__all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "optimizer_refusal", "device_refusal", "check_single_owner"]
+__all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "optimizer_refusal", "device_refusal"]
 
 REFUSED_STRATEGIES = {
     "FSDPStrategy": "FSDP re-shards parameters and allocates gradient buffers inside every step",
@@ -125,17 +125,3 @@ def device_refusal(pl_module: Any) -> Optional[Refusal]:
             soft=True,
         )
     return None
-
-
-def check_single_owner(trainer: Any) -> None:
-    """One step has one owner: a ``CudaGraphCallback`` and a ``CudaGraphStrategy`` together is an error."""
-    from .runner import LightningStepRunner
-
-    owners = [cb for cb in trainer.callbacks if isinstance(getattr(cb, "step_runner", None), LightningStepRunner)]
-    if isinstance(getattr(trainer.strategy, "step_runner", None), LightningStepRunner):
-        owners.append(trainer.strategy)
-    if len(owners) > 1:
-        raise ValueError(
-            "Both CudaGraphCallback and CudaGraphStrategy are configured; they capture the same step. "
-            "Keep one: remove the callback (pass its options to CudaGraphStrategy) or use a plain strategy."
-        )

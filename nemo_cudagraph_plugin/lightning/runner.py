@@ -47,7 +47,7 @@ from ..hf import (
     restore_experts,
 )
 from . import _compat
-from .checks import Refusal, check_single_owner, device_refusal, optimizer_refusal, setup_refusal
+from .checks import Refusal, device_refusal, optimizer_refusal, setup_refusal
 from .logs import StepLogs
 
 __all__ = ["LightningStepRunner"]
@@ -181,13 +181,8 @@ class LightningStepRunner:
         optimizer = trainer.optimizers[0]
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._ddp = "DDPStrategy" in {c.__name__ for c in type(trainer.strategy).__mro__}
-        # The NaN guard may watch the loss instead of reading every gradient (core/nan_guard.py): its reads then
-        # scan the parameters, which must be plain tensors (not FP8 or distributed tensor subclasses), and a bad
-        # gradient must stay in its own parameter (one process: no all-reduce mixing them).
-        may_watch = (self.config.nan_mode == "full" and self.config.nan_action == "raise" and not self._ddp
-                     and all(type(p.data) is Tensor for _, p in named))
         try:
-            self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_action == "skip",
+            self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=self.config.nan_skips,
                                       math=self.config.optimizer_math, step_count=lambda: trainer.global_step,
                                       device_type=self.backend.device_type if self.backend is not None else None)
             self.prep.apply()
@@ -196,11 +191,9 @@ class LightningStepRunner:
             self._refuse(Refusal("optimizer", str(exc).rstrip(".")))
             return
         self._undo.callback(self.prep.restore)
-        if self.config.nan_mode != "off" or self.config.nan_action == "skip":
-            guard = NanGuard(named, pl_module.device, "full" if self.config.nan_mode == "off" else self.config.nan_mode)
-            self.nan = NanPolicy(guard, self.config.nan_action, self.config.nan_check_every, self.stats,
-                                 may_watch=may_watch, step=lambda: trainer.global_step,
-                                 checked_at=self.nan.checked_at if self.nan is not None else 0)
+        self.nan = NanPolicy.from_config(self.config, named, pl_module.device, self.stats, one_process=not self._ddp,
+                                         step=lambda: trainer.global_step,
+                                         checked_at=self.nan.checked_at if self.nan is not None else 0)
         self._loop = _compat.automatic_loop(trainer)
         self.logs = StepLogs(pl_module)
         names = {id(p): n for n, p in pl_module.named_parameters()}
@@ -289,7 +282,7 @@ class LightningStepRunner:
             if undo_transfer is not None:
                 undo.callback(undo_transfer)
         nan = self.nan
-        if nan is not None and nan.guard.mode == "full" and self.config.nan_action == "raise":
+        if nan is not None and nan.can_read_clipping_norms:
             # Lightning's own clipping (not a module's configure_gradient_clipping override) computes one norm per
             # gradient: the NaN guard reads those instead of reading every gradient again.
             hook = getattr(pl_module.configure_gradient_clipping, "__func__", None)
@@ -300,8 +293,7 @@ class LightningStepRunner:
         """TransformerEngine care: the FP8 transpose refresh for FP8 primary weights, and the graph
         hazards (RNG tracker, ``is_first_microbatch``, delayed scaling) for every model with TE modules."""
         try:
-            from ..fp8 import _te_compat as te
-            from ..fp8 import install_fp8_refresh, iter_fp8_params
+            from ..fp8 import fp8_scaling_state, has_te_modules, install_fp8_refresh, iter_fp8_params
         except ImportError:  # the FP8 module itself failed to import: only fatal if FP8 was required
             if self.config.fp8_refresh is True:
                 raise
@@ -314,7 +306,7 @@ class LightningStepRunner:
         if handle is not None:
             self._undo.callback(handle.remove)
         has_fp8 = handle is not None or any(True for _ in iter_fp8_params(pl_module))
-        if not (has_fp8 or te.has_te_modules(pl_module)):
+        if not (has_fp8 or has_te_modules(pl_module)):
             return
         from ..fp8.hazards import (
             FirstMicrobatchCheck,
@@ -326,7 +318,7 @@ class LightningStepRunner:
         self._contexts.append(lambda: FirstMicrobatchCheck(pl_module))
         self._checks.append(lambda: check_delayed_scaling_registered(pl_module))
         # TE updates its FP8 scaling state in its own kernels: verify_steps must snapshot it explicitly.
-        self._mutable.append(lambda: te.fp8_scaling_state(pl_module))
+        self._mutable.append(lambda: fp8_scaling_state(pl_module))
 
     def unbind(self) -> None:
         """Undo everything :meth:`bind` changed, latest first (also after an exception; idempotent)."""
@@ -408,7 +400,7 @@ class LightningStepRunner:
             self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
 
     def after_replay(self, entry: GraphEntry) -> None:
-        """After every replay (the engine's adapter; bound once by the engine)."""
+        """After every replay (the engine's adapter)."""
         delta = entry.meta.get("progress")
         if delta is not None:
             delta.apply()
@@ -521,10 +513,28 @@ class LightningStepRunner:
 
     def portable_checkpoint(self, checkpoint: dict) -> None:
         """Write floats (not device tensors) for lr/betas into a checkpoint being saved."""
-        if self.prep is None:
-            return
         for state in checkpoint.get("optimizer_states", []):
+            self.portable_optimizer_state(state)
+
+    def portable_optimizer_state(self, state: dict) -> dict:
+        """An optimizer's ``state_dict`` with float lr/betas and the user's kernel flags, so it loads anywhere (in
+        place; also returned)."""
+        if self.prep is not None:
+            # The flags as the user set them, before OptimizerPrep changed them.
             portable_optimizer_state(state, self.prep._saved)
+        return state
+
+
+def check_single_owner(trainer: Any) -> None:
+    """One step has one owner: a ``CudaGraphCallback`` and a ``CudaGraphStrategy`` together is an error."""
+    owners = [cb for cb in trainer.callbacks if isinstance(getattr(cb, "step_runner", None), LightningStepRunner)]
+    if isinstance(getattr(trainer.strategy, "step_runner", None), LightningStepRunner):
+        owners.append(trainer.strategy)
+    if len(owners) > 1:
+        raise ValueError(
+            "Both CudaGraphCallback and CudaGraphStrategy are configured; they capture the same step. "
+            "Keep one: remove the callback (pass its options to CudaGraphStrategy) or use a plain strategy."
+        )
 
 
 def _clips_by_norm(key: Optional[_compat.StepKey]) -> bool:

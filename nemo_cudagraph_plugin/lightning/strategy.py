@@ -28,7 +28,6 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.config import CaptureConfig, CaptureStats, with_capture_options
-from ..core.optim import portable_optimizer_state
 from . import _compat
 from .checks import REFUSED_STRATEGIES
 from .runner import LightningStepRunner
@@ -165,11 +164,8 @@ class CudaGraphStrategy(Strategy):
         super().teardown()
 
     def optimizer_state(self, optimizer: Any) -> dict:
-        state = super().optimizer_state(optimizer)
-        if self.step_runner.prep is not None:
-            # Checkpoints get float lr/betas and the user's kernel flags, so they load anywhere.
-            portable_optimizer_state(state, self.step_runner.prep._saved)
-        return state
+        # Checkpoints get float lr/betas and the user's kernel flags, so they load anywhere.
+        return self.step_runner.portable_optimizer_state(super().optimizer_state(optimizer))
 
 
 _MIXED: dict[type, type] = {}

@@ -14,14 +14,18 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
-from .._fiddle import _UNSET, _get, _is_buildable, _is_unset, _params, _same
+from ..buildables import UNSET, get_attr, is_buildable, is_unset, parameter_names, same_value
 from . import capabilities as _capabilities
 
 __all__ = [
+    "DETECT_CAPABILITIES",
+    "MEGATRON_GRAPH_FIELDS",
     "MEGATRON_IMPLS",
     "Change",
     "MegatronGraphSetup",
     "apply_megatron_graph_fields",
+    "default_scope",
+    "per_layer_local",
     "plan_megatron_graph_fields",
     "scope_names",
 ]
@@ -135,15 +139,15 @@ def plan_megatron_graph_fields(
         if "cuda_graph_warmup_steps" not in current:
             raise ValueError("warmup_steps= was given but this megatron-core's config has no cuda_graph_warmup_steps.")
         updates["cuda_graph_warmup_steps"] = warmup_steps
-    changed = {k: v for k, v in updates.items() if not _field_equal(k, current.get(k, _UNSET), v)}
+    changed = {k: v for k, v in updates.items() if not _field_equal(k, current.get(k, UNSET), v)}
     return changed, full_iteration
 
 
 def _field_equal(name: str, a: Any, b: Any) -> bool:
-    if name == "cuda_graph_scope" and not _is_unset(a):
+    if name == "cuda_graph_scope" and not is_unset(a):
         # "full", [] and None all mean "the whole layer"; enums and strings compare by name.
         return scope_names(a) == scope_names(b)
-    return _same(a, b)
+    return same_value(a, b)
 
 
 def scope_names(scope: Any) -> list[str]:
@@ -161,9 +165,9 @@ def scope_names(scope: Any) -> list[str]:
     return [] if out == ["full"] else out
 
 
-_MEGATRON_GRAPH_FIELDS = ("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope",
+MEGATRON_GRAPH_FIELDS = ("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope",
                           "cuda_graph_warmup_steps")
-_DETECT = "detect"
+DETECT_CAPABILITIES = "detect"
 
 
 @dataclasses.dataclass
@@ -187,8 +191,8 @@ class MegatronGraphSetup:
 
 
 def _config_fields(config: Any) -> set[str]:
-    if _is_buildable(config):
-        return _params(config)
+    if is_buildable(config):
+        return parameter_names(config)
     if dataclasses.is_dataclass(config):
         return {f.name for f in dataclasses.fields(config)}
     return set(getattr(config, "__dict__", {}))
@@ -197,16 +201,16 @@ def _config_fields(config: Any) -> set[str]:
 def _dropless_moe(config: Any, fields: set[str]) -> Optional[str]:
     """Why an MoE config's token dispatcher cannot be captured (it is dropless); ``None`` for a dense or a
     drop-and-pad MoE config."""
-    experts = _get(config, "num_moe_experts") if "num_moe_experts" in fields else None
+    experts = get_attr(config, "num_moe_experts") if "num_moe_experts" in fields else None
     if not isinstance(experts, int) or experts <= 1:
         return None
-    capacity = _get(config, "moe_expert_capacity_factor")
-    padded = bool(_get(config, "moe_pad_expert_input_to_capacity"))
+    capacity = get_attr(config, "moe_expert_capacity_factor")
+    padded = bool(get_attr(config, "moe_pad_expert_input_to_capacity"))
     if capacity is not None and padded:
         return None
     return (
         f"this MoE config is dropless (moe_expert_capacity_factor={capacity!r}, moe_pad_expert_input_to_capacity="
-        f"{padded}): its {_get(config, 'moe_token_dispatcher_type')!r} token dispatcher reads per-expert token counts "
+        f"{padded}): its {get_attr(config, 'moe_token_dispatcher_type')!r} token dispatcher reads per-expert token counts "
         "on the host, which cannot run inside a CUDA graph capture"
     )
 
@@ -219,12 +223,12 @@ def _moe_scope(config: Any, fields: set[str], impl: str, requested: list[str],
     (transformer_config.py: 'moe cuda graph is only supported with drop-padding MoE'); the default whole-layer
     scope also captures a dropless token dispatcher, which reads token counts on the host: the capture fails.
     """
-    experts = _get(config, "num_moe_experts") if "num_moe_experts" in fields else None
+    experts = get_attr(config, "num_moe_experts") if "num_moe_experts" in fields else None
     if not isinstance(experts, int) or experts <= 1:
         return None, []
-    capacity = _get(config, "moe_expert_capacity_factor")
-    dispatcher = _get(config, "moe_token_dispatcher_type")
-    fp8_padding = bool(_get(config, "moe_router_padding_for_fp8"))
+    capacity = get_attr(config, "moe_expert_capacity_factor")
+    dispatcher = get_attr(config, "moe_token_dispatcher_type")
+    fp8_padding = bool(get_attr(config, "moe_router_padding_for_fp8"))
     why_dropless = _dropless_moe(config, fields)
     dropless = why_dropless is not None
     if "full_iteration" in requested:
@@ -260,20 +264,20 @@ def _moe_scope(config: Any, fields: set[str], impl: str, requested: list[str],
     return scope, [note]
 
 
-def _per_layer_local(impl: str, scope: Optional[Sequence[str]], current_scope: Any) -> bool:
+def per_layer_local(impl: str, scope: Optional[Sequence[str]], current_scope: Any) -> bool:
     """Would megatron-core's own per-layer graphs (``impl="local"``, not the whole iteration) be configured?"""
     names = scope_names(scope) if scope is not None else scope_names(current_scope)
     return impl == "local" and "full_iteration" not in names
 
 
-def _default_scope(impl: str, scope: Optional[Sequence[str]], current_scope: Any, capabilities: Any,
+def default_scope(impl: str, scope: Optional[Sequence[str]], current_scope: Any, capabilities: Any,
                    path: str) -> tuple[Optional[Sequence[str]], Optional[str]]:
     """The scope to configure and, when per-layer graphs are refused on this megatron-core, why.
 
     No scope given (the flag's default): ``["full_iteration"]`` where per-layer graphs are refused. A per-layer
     scope the user gave there: ``ValueError`` with the reason and what to use instead.
     """
-    if not _per_layer_local(impl, scope, current_scope):
+    if not per_layer_local(impl, scope, current_scope):
         return scope, None
     refused = _capabilities.per_layer_refusal(capabilities)
     if refused is None:
@@ -295,7 +299,7 @@ def apply_megatron_graph_fields(
     scope: Optional[Sequence[str]] = None,
     warmup_steps: Optional[int] = None,
     rng_tracker: bool = True,
-    capabilities: Any = _DETECT,
+    capabilities: Any = DETECT_CAPABILITIES,
     set_field: Optional[Callable[[str, Any, str], None]] = None,
     path: str = "config",
 ) -> MegatronGraphSetup:
@@ -336,13 +340,13 @@ def apply_megatron_graph_fields(
         ValueError: a combination megatron-core or NeMo cannot run; the message says what to change.
     """
     fields = _config_fields(config)
-    current = {name: _get(config, name) for name in _MEGATRON_GRAPH_FIELDS if name in fields}
-    gaf = "gradient_accumulation_fusion" in fields and _get(config, "gradient_accumulation_fusion") is True
-    if capabilities == _DETECT and (gaf or _per_layer_local(impl, scope, current.get("cuda_graph_scope"))):
+    current = {name: get_attr(config, name) for name in MEGATRON_GRAPH_FIELDS if name in fields}
+    gaf = "gradient_accumulation_fusion" in fields and get_attr(config, "gradient_accumulation_fusion") is True
+    if capabilities == DETECT_CAPABILITIES and (gaf or per_layer_local(impl, scope, current.get("cuda_graph_scope"))):
         capabilities = _capabilities.megatron_capabilities()
-    known = None if capabilities == _DETECT else capabilities
+    known = None if capabilities == DETECT_CAPABILITIES else capabilities
     explicit = scope is not None
-    scope, refused = _default_scope(impl, scope, current.get("cuda_graph_scope"), known, path)
+    scope, refused = default_scope(impl, scope, current.get("cuda_graph_scope"), known, path)
     requested = scope_names(scope) if scope is not None else scope_names(current.get("cuda_graph_scope"))
     dropless = _dropless_moe(config, fields) if refused is not None else None
     if dropless is not None:
@@ -381,7 +385,7 @@ def apply_megatron_graph_fields(
         note = _capabilities.per_layer_parity_note(known)
         if note is not None:
             notes.append(note)
-    if rng_tracker and "use_te_rng_tracker" in fields and _get(config, "use_te_rng_tracker") is not True:
+    if rng_tracker and "use_te_rng_tracker" in fields and get_attr(config, "use_te_rng_tracker") is not True:
         updates["use_te_rng_tracker"] = True
         whys["use_te_rng_tracker"] = "CUDA graphs need TE's graph-safe RNG tracker"
     for note in notes:
@@ -395,7 +399,7 @@ def apply_megatron_graph_fields(
         if set_field is not None:
             set_field(name, updates[name], whys[name])
         else:
-            old = _get(config, name, _UNSET)
+            old = get_attr(config, name, UNSET)
             setattr(config, name, updates[name])
             change = Change(f"{path}.{name}", old, updates[name], whys[name])
             changes.append(change)

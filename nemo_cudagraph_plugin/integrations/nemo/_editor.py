@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
 
-from .._fiddle import _UNSET, _explicit, _get, _is_unset, _mro_names, _same, _target
+from ..buildables import UNSET, explicit_arg, get_attr, is_unset, mro_names, same_value, target_of
 from ..megatron.graph_fields import Change
 
 log = logging.getLogger(__name__)
@@ -21,11 +21,11 @@ _RECORD = "__nemo_cudagraph_record__"  # attribute on the recipe root: values be
 
 
 def _is_megatron_strategy(strategy: Any) -> bool:
-    return "MegatronStrategy" in _mro_names(strategy)
+    return "MegatronStrategy" in mro_names(strategy)
 
 
 def _is_ours(obj: Any, name: str) -> bool:
-    target = _target(obj)
+    target = target_of(obj)
     return target is not None and getattr(target, "__name__", "") == name and getattr(
         target, "__module__", ""
     ).startswith("nemo_cudagraph_plugin.")
@@ -43,36 +43,36 @@ class _Editor:
         self.changes: list[Change] = []
 
     def set(self, obj: Any, path: str, name: str, value: Any, why: str) -> None:
-        old = _get(obj, name, _UNSET)
-        if _same(old, value):
+        old = get_attr(obj, name, UNSET)
+        if same_value(old, value):
             return
-        self.record.setdefault(f"{path}.{name}", _explicit(obj, name))
+        self.record.setdefault(f"{path}.{name}", explicit_arg(obj, name))
         setattr(obj, name, value)
         self._log(Change(f"{path}.{name}", old, value, why))
 
-    def restore(self, obj: Any, path: str, name: str, off: Any = _UNSET, why: str = "restored") -> None:
+    def restore(self, obj: Any, path: str, name: str, off: Any = UNSET, why: str = "restored") -> None:
         """Put back the recorded value of ``path.name``; when the recipe has no record at all, set ``off``
         (if given). A field the record does not name was not changed by the flag and is left alone."""
         key = f"{path}.{name}"
-        old = _get(obj, name, _UNSET)
+        old = get_attr(obj, name, UNSET)
         if key in self.record:
             value = self.record.pop(key)
-            if _is_unset(value):
+            if is_unset(value):
                 if name in obj.__dict__["__arguments__"]:
                     delattr(obj, name)
-                new = _get(obj, name, _UNSET)
+                new = get_attr(obj, name, UNSET)
             else:
                 setattr(obj, name, value)
                 new = value
-        elif self.fallback and not _is_unset(off):
-            if _same(old, off):
+        elif self.fallback and not is_unset(off):
+            if same_value(old, off):
                 return
             setattr(obj, name, off)
             new = off
             why = f"{why}; no record of the value before with_cuda_graph, so set to off"
         else:
             return
-        if not _same(old, new):
+        if not same_value(old, new):
             self._log(Change(key, old, new, why))
 
     def _log(self, change: Change) -> None:
@@ -87,7 +87,7 @@ class _Editor:
 
 
 def _callback_list(trainer: Any) -> list[Any]:
-    callbacks = _get(trainer, "callbacks")
+    callbacks = get_attr(trainer, "callbacks")
     if callbacks is None:
         return []
     if not isinstance(callbacks, list):
@@ -103,7 +103,7 @@ def _set_callbacks(trainer: Any, editor: _Editor, add: Optional[Any], remove: Ca
         return
     if add is not None:
         after.append(add)
-    editor.record.setdefault("trainer.callbacks", _explicit(trainer, "callbacks") if before == [] else "<list>")
+    editor.record.setdefault("trainer.callbacks", explicit_arg(trainer, "callbacks") if before == [] else "<list>")
     trainer.callbacks = after
     editor._log(Change("trainer.callbacks", [_name(c) for c in before], [_name(c) for c in after], why))
 
@@ -111,7 +111,7 @@ def _set_callbacks(trainer: Any, editor: _Editor, add: Optional[Any], remove: Ca
 def _restore_empty_callbacks(trainer: Any, editor: _Editor) -> None:
     original = editor.record.pop("trainer.callbacks", "<list>")
     if _callback_list(trainer) == [] and not (isinstance(original, str) and original == "<list>"):
-        if _is_unset(original):
+        if is_unset(original):
             if "callbacks" in trainer.__dict__["__arguments__"]:
                 delattr(trainer, "callbacks")
         else:
@@ -119,7 +119,7 @@ def _restore_empty_callbacks(trainer: Any, editor: _Editor) -> None:
 
 
 def _name(obj: Any) -> str:
-    target = _target(obj)
+    target = target_of(obj)
     return getattr(target, "__name__", type(obj).__name__) if target is not None else type(obj).__name__
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._fiddle import _explicit, _get, _is_buildable, _is_unset, _mro_names
+from ..buildables import explicit_arg, get_attr, is_buildable, is_unset, mro_names
 from ..megatron.graph_fields import Change
 from ._editor import (
     _OUR_CALLBACK,
@@ -31,7 +31,7 @@ def _lightning_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, fp8_re
     if fp8_refresh != "auto":
         opts["fp8_refresh"] = fp8_refresh
     _refuse_megatron_graphs_under_capture(recipe)
-    strategy = _get(trainer, "strategy")
+    strategy = get_attr(trainer, "strategy")
     ours_strategy = _is_ours(strategy, "CudaGraphStrategy")
     ours_callbacks = [c for c in _callback_list(trainer) if _is_ours(c, "CudaGraphCallback")]
     if mode == "auto":
@@ -57,27 +57,27 @@ def _lightning_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, fp8_re
             editor.set(strategy, _OUR_STRATEGY, name, value, "option updated")
     else:
         inner = _strategy_inner(strategy)
-        editor.record.setdefault("trainer.strategy", _explicit(trainer, "strategy"))
+        editor.record.setdefault("trainer.strategy", explicit_arg(trainer, "strategy"))
         trainer.strategy = _config_like(trainer, CudaGraphStrategy, inner=inner, **opts)
         editor._log(Change("trainer.strategy", _describe(strategy), f"CudaGraphStrategy(inner={_describe(inner)})",
                            "CudaGraphStrategy captures the whole training step"))
-    if _get(trainer, "detect_anomaly") is True:
+    if get_attr(trainer, "detect_anomaly") is True:
         editor.set(trainer, "trainer", "detect_anomaly", False,
                    "anomaly detection checks every backward op on the host, which cannot run inside a CUDA graph")
 
 
 def _lightning_off(recipe: Any, trainer: Any, editor: _Editor) -> None:
-    strategy = _get(trainer, "strategy")
+    strategy = get_attr(trainer, "strategy")
     if _is_ours(strategy, "CudaGraphStrategy"):
         if editor.fallback or "trainer.strategy" in editor.record:  # we wrapped it: unwrap
-            inner = _get(strategy, "inner")
+            inner = get_attr(strategy, "inner")
             original = editor.record.pop("trainer.strategy", "<none>")
-            if _is_unset(original):
+            if is_unset(original):
                 if "strategy" in trainer.__dict__["__arguments__"]:
                     delattr(trainer, "strategy")
             else:
                 trainer.strategy = inner if (isinstance(original, str) and original == "<none>") else original
-            editor._log(Change("trainer.strategy", "CudaGraphStrategy(...)", _describe(_get(trainer, "strategy")),
+            editor._log(Change("trainer.strategy", "CudaGraphStrategy(...)", _describe(get_attr(trainer, "strategy")),
                                "CudaGraphStrategy removed"))
         else:  # it was there before the flag, which only updated its options
             for key in [k for k in editor.record if k.startswith(_OUR_STRATEGY + ".")]:
@@ -102,7 +102,7 @@ def _strategy_inner(strategy: Any) -> Any:
             f"CudaGraphStrategy cannot wrap strategy={strategy!r}; use None/'auto' (single device), 'ddp', or a "
             "Config(DDPStrategy, ...)."
         )
-    names = _mro_names(strategy)
+    names = mro_names(strategy)
     if "DDPStrategy" in names or "SingleDeviceStrategy" in names:
         return strategy
     raise ValueError(
@@ -112,15 +112,15 @@ def _strategy_inner(strategy: Any) -> Any:
 
 
 def _describe(obj: Any) -> str:
-    return f"Config({_name(obj)})" if _is_buildable(obj) else repr(obj)
+    return f"Config({_name(obj)})" if is_buildable(obj) else repr(obj)
 
 
 def _refuse_megatron_graphs_under_capture(recipe: Any) -> None:
-    model_cfg = _get(_get(recipe, "model"), "config")
-    if model_cfg is None or not _is_buildable(model_cfg):
+    model_cfg = get_attr(get_attr(recipe, "model"), "config")
+    if model_cfg is None or not is_buildable(model_cfg):
         return
-    on = [n for n in ("enable_cuda_graph", "external_cuda_graph") if _get(model_cfg, n) is True]
-    impl = _get(model_cfg, "cuda_graph_impl")
+    on = [n for n in ("enable_cuda_graph", "external_cuda_graph") if get_attr(model_cfg, n) is True]
+    impl = get_attr(model_cfg, "cuda_graph_impl")
     if impl not in (None, "none"):
         on.append(f"cuda_graph_impl={impl!r}")
     if on:

@@ -8,14 +8,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from .._fiddle import _UNSET, _get, _is_buildable, _params
+from ..buildables import UNSET, get_attr, is_buildable, parameter_names
 from ..megatron import capabilities as _capabilities
 from ..megatron.graph_fields import (
-    _DETECT,
-    _MEGATRON_GRAPH_FIELDS,
-    _default_scope,
-    _per_layer_local,
+    DETECT_CAPABILITIES,
+    MEGATRON_GRAPH_FIELDS,
     apply_megatron_graph_fields,
+    default_scope,
+    per_layer_local,
     scope_names,
 )
 from ._editor import (
@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def _model_config(recipe: Any) -> Any:
-    model_cfg = _get(_get(recipe, "model"), "config")
-    if model_cfg is None or not _is_buildable(model_cfg):
+    model_cfg = get_attr(get_attr(recipe, "model"), "config")
+    if model_cfg is None or not is_buildable(model_cfg):
         raise ValueError(
             "a MegatronStrategy recipe needs recipe.model.config to be a Config of a megatron-core "
             f"TransformerConfig (e.g. Config(Llama3Config8B)); got {model_cfg!r}."
@@ -70,16 +70,16 @@ def _megatron_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, impl: s
         raise ValueError(f"fp8_refresh={fp8_refresh!r}: use True, False or 'auto'.")
     model_cfg = _model_config(recipe)
     has_fp8 = _has_fp8_params(recipe, trainer, model_cfg)
-    current_scope = _get(model_cfg, "cuda_graph_scope")
-    capabilities: Any = _DETECT  # read once here when per-layer graphs are asked for, else by the call below
-    if _per_layer_local(impl, scope, current_scope):
+    current_scope = get_attr(model_cfg, "cuda_graph_scope")
+    capabilities: Any = DETECT_CAPABILITIES  # read once here when per-layer graphs are asked for, else by the call below
+    if per_layer_local(impl, scope, current_scope):
         capabilities = _capabilities.megatron_capabilities()
-    effective, _ = _default_scope(impl, scope, current_scope, None if capabilities == _DETECT else capabilities,
+    effective, _ = default_scope(impl, scope, current_scope, None if capabilities == DETECT_CAPABILITIES else capabilities,
                                   "model.config")
     if has_fp8 and "full_iteration" not in scope_names(effective if effective is not None else current_scope):
         raise ValueError(_PER_LAYER_FP8_PARAMS)
-    strategy = _get(trainer, "strategy")
-    if not _is_buildable(strategy) or "use_te_rng_tracker" not in _params(strategy):
+    strategy = get_attr(trainer, "strategy")
+    if not is_buildable(strategy) or "use_te_rng_tracker" not in parameter_names(strategy):
         raise ValueError("trainer.strategy must be a Config(MegatronStrategy, ...) with use_te_rng_tracker.")
     setup = apply_megatron_graph_fields(
         model_cfg, impl=impl, scope=scope, warmup_steps=options.get("warmup_steps"), rng_tracker=False,
@@ -91,7 +91,7 @@ def _megatron_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, impl: s
                "CUDA graphs need TE's graph-safe RNG tracker; connect() copies this onto model.config")
     if setup.full_iteration:
         _megatron_nan_checks_off(strategy, editor)
-        if "cuda_graph_impl" in _params(model_cfg):
+        if "cuda_graph_impl" in parameter_names(model_cfg):
             # megatron-core >= 0.16 turns the scope into a list, so NeMo's MegatronStep never wraps the step
             # (megatron_parallel.py:1438 compares it with the string); this callback does, per training step.
             from ..megatron.callbacks import MegatronFullIterationGraph
@@ -100,11 +100,11 @@ def _megatron_on(recipe: Any, trainer: Any, editor: _Editor, mode: Mode, impl: s
                               "wrap each training step's forward-backward in megatron-core's FullCudaGraphWrapper "
                               "(NeMo 2.7 does so only for a string scope, which megatron-core >= 0.16 forbids)")
     else:
-        ddp = _get(strategy, "ddp")
-        if _is_buildable(ddp) and _get(ddp, "check_for_nan_in_grad"):
+        ddp = get_attr(strategy, "ddp")
+        if is_buildable(ddp) and get_attr(ddp, "check_for_nan_in_grad"):
             log.info("with_cuda_graph: kept trainer.strategy.ddp.check_for_nan_in_grad=True: it runs in the gradient "
                      "sync hooks, outside megatron-core's per-layer graphs")
-    pp = _get(strategy, "pipeline_model_parallel_size") or 1
+    pp = get_attr(strategy, "pipeline_model_parallel_size") or 1
     if fp8_refresh is True or (fp8_refresh == "auto" and has_fp8 and pp > 1):
         from ..megatron.callbacks import AlignPipelineTransposes
 
@@ -132,11 +132,11 @@ _PER_LAYER_FP8_PARAMS = (
 
 
 def _megatron_nan_checks_off(strategy: Any, editor: _Editor) -> None:
-    ddp = _get(strategy, "ddp")
+    ddp = get_attr(strategy, "ddp")
     why = "reads the gradient norm on the host, which cannot run inside the full-iteration graph"
-    if _is_buildable(ddp):
+    if is_buildable(ddp):
         for name in ("check_for_nan_in_grad", "check_for_large_grads"):
-            if name in _params(ddp) and _get(ddp, name):
+            if name in parameter_names(ddp) and get_attr(ddp, name):
                 editor.set(ddp, "trainer.strategy.ddp", name, False, why)
     elif ddp in (None, "megatron"):
         # MegatronStrategy builds DistributedDataParallelConfig(check_for_nan_in_grad=True) for "megatron".
@@ -147,32 +147,32 @@ def _megatron_nan_checks_off(strategy: Any, editor: _Editor) -> None:
 
 
 def _has_fp8_params(recipe: Any, trainer: Any, model_cfg: Any) -> bool:
-    plugins = _get(trainer, "plugins")
+    plugins = get_attr(trainer, "plugins")
     for plugin in plugins if isinstance(plugins, list) else [plugins]:
-        if _is_buildable(plugin) and _get(plugin, "fp8") and (
-            _get(plugin, "fp8_param_gather") or _get(plugin, "fp8_params")
+        if is_buildable(plugin) and get_attr(plugin, "fp8") and (
+            get_attr(plugin, "fp8_param_gather") or get_attr(plugin, "fp8_params")
         ):
             return True
-    if _get(model_cfg, "fp8") and _get(model_cfg, "fp8_param"):
+    if get_attr(model_cfg, "fp8") and get_attr(model_cfg, "fp8_param"):
         return True
-    ddp = _get(_get(trainer, "strategy"), "ddp")
-    return bool(_is_buildable(ddp) and _get(ddp, "fp8_param_gather"))
+    ddp = get_attr(get_attr(trainer, "strategy"), "ddp")
+    return bool(is_buildable(ddp) and get_attr(ddp, "fp8_param_gather"))
 
 
 def _megatron_off(recipe: Any, trainer: Any, editor: _Editor) -> None:
     fallback = editor.fallback
     model_cfg = _model_config(recipe)
-    fields = _params(model_cfg)
+    fields = parameter_names(model_cfg)
     offs = {"cuda_graph_impl": "none", "enable_cuda_graph": False, "external_cuda_graph": False}
-    for name in (*_MEGATRON_GRAPH_FIELDS, "gradient_accumulation_fusion"):
+    for name in (*MEGATRON_GRAPH_FIELDS, "gradient_accumulation_fusion"):
         if name in fields:
-            editor.restore(model_cfg, "model.config", name, offs.get(name, _UNSET), why="CUDA graphs off")
-    strategy = _get(trainer, "strategy")
+            editor.restore(model_cfg, "model.config", name, offs.get(name, UNSET), why="CUDA graphs off")
+    strategy = get_attr(trainer, "strategy")
     editor.restore(strategy, "trainer.strategy", "use_te_rng_tracker")
     for key in [k for k in editor.record if k.startswith("trainer.strategy.ddp.")]:
-        editor.restore(_get(strategy, "ddp"), "trainer.strategy.ddp", key.rsplit(".", 1)[1])
+        editor.restore(get_attr(strategy, "ddp"), "trainer.strategy.ddp", key.rsplit(".", 1)[1])
     editor.restore(strategy, "trainer.strategy", "ddp")
-    if fallback and _get(strategy, "use_te_rng_tracker"):
+    if fallback and get_attr(strategy, "use_te_rng_tracker"):
         log.info("with_cuda_graph(enabled=False): left trainer.strategy.use_te_rng_tracker=True and the NaN-check "
                  "settings as they are: the recipe carries no record of their values before with_cuda_graph "
                  "(it was serialized or copied with copy.copy since)")

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from .._fiddle import _get, _params
+from ..buildables import get_attr, parameter_names
 from ..megatron.graph_fields import MEGATRON_IMPLS
 from .flag import with_cuda_graph
 
@@ -50,6 +50,15 @@ def add_cuda_graph_argument(parser: argparse.ArgumentParser) -> argparse.Argumen
     return parser
 
 
+# The modules a recipe needs that come with NeMo (a bare "No module named 'nemo'" says nothing of which to install).
+_NEMO_MODULES = ("nemo", "nemo_run", "fiddle", "megatron", "modelopt")
+NEMO_INSTALL_HINT = (
+    "This command builds NeMo 2 recipes: install NeMo with pip install 'nemo_cudagraph_plugin[nemo]' "
+    "(nemo-toolkit 2.7.3, megatron-core 0.16.1, nemo_run and nvidia-modelopt, the versions the flag is tested with; "
+    "ci/stages.sh's NEMO_PINS lists the full set the CI installs)."
+)
+
+
 def _resolve_factory(name: str) -> Callable[..., Any]:
     """``llama3_8b`` -> ``nemo.collections.llm.llama3_8b.pretrain_recipe``; ``pkg.mod:fn`` -> that function."""
     if ":" in name:
@@ -83,8 +92,8 @@ def check_on_cpu(recipe: Any) -> Any:
     checked.trainer.accelerator = "cpu"
     checked.trainer.devices = 1
     checked.trainer.num_nodes = 1
-    model_cfg = _get(_get(checked, "model"), "config")
-    if model_cfg is not None and "apply_rope_fusion" in _params(model_cfg):
+    model_cfg = get_attr(get_attr(checked, "model"), "config")
+    if model_cfg is not None and "apply_rope_fusion" in parameter_names(model_cfg):
         try:
             importlib.import_module("transformer_engine")
         except ImportError:
@@ -108,7 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--num-gpus-per-node", type=int, default=8)
     p.add_argument("--impl", default="local", choices=MEGATRON_IMPLS, help="Megatron cuda_graph_impl")
-    p.add_argument("--scope", default=None, help="Megatron cuda_graph_scope, comma separated (default: whole layer)")
+    p.add_argument("--scope", default=None, help="Megatron cuda_graph_scope, comma separated (default: the flag's, per megatron-core: "
+                   "full_iteration on 0.16.1, the whole layer where per-layer graphs are safe)")
     p.add_argument("--check", action="store_true", help="validate on the CPU with trainer.strategy.connect(model)")
     p.add_argument("--yaml", default=None, help="write the recipe as YAML here ('-' for stdout)")
     args = p.parse_args(argv)
@@ -139,6 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f.write(text)
     except (ValueError, ImportError, AssertionError) as exc:
         print(f"nemo_cudagraph_plugin.integrations.nemo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in _NEMO_MODULES:
+            print(NEMO_INSTALL_HINT, file=sys.stderr)
         return 2
     return 0
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from ...core.config import option_names
-from .._fiddle import _get, _is_buildable, _mro_names
+from ..buildables import get_attr, is_buildable, mro_names
 from ._editor import Fp8Refresh, Mode, _Editor, _is_megatron_strategy
 from ._lightning_recipe import _lightning_off, _lightning_on
 from ._megatron_recipe import _megatron_off, _megatron_on
@@ -64,7 +64,7 @@ def with_cuda_graph(
         raise ValueError("pass enabled= to with_cuda_graph itself.")
     trainer = _trainer_of(recipe)
     editor = _Editor(recipe)
-    if _is_megatron_strategy(_get(trainer, "strategy")):
+    if _is_megatron_strategy(get_attr(trainer, "strategy")):
         if enabled:
             _megatron_on(recipe, trainer, editor, mode, impl, scope, fp8_refresh, options)
         else:
@@ -81,12 +81,12 @@ def with_cuda_graph(
 
 
 def _trainer_of(recipe: Any) -> Any:
-    if not _is_buildable(recipe):
+    if not is_buildable(recipe):
         raise ValueError(
             f"with_cuda_graph needs a nemo_run.Partial/Config recipe (a fiddle buildable), got {type(recipe).__name__}."
         )
-    trainer = _get(recipe, "trainer")
-    if trainer is None or not _is_buildable(trainer) or "Trainer" not in _mro_names(trainer):
+    trainer = get_attr(recipe, "trainer")
+    if trainer is None or not is_buildable(trainer) or "Trainer" not in mro_names(trainer):
         raise ValueError(
             "with_cuda_graph needs recipe.trainer to be a Config(Trainer, ...) (a Lightning/NeMo Trainer config); "
             f"got {trainer!r}."

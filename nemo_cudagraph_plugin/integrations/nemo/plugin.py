@@ -7,7 +7,7 @@ import dataclasses
 import logging
 from typing import Any, Optional, Union
 
-from .._fiddle import _is_buildable
+from ..buildables import is_buildable
 from .flag import with_cuda_graph
 
 __all__ = ["CudaGraphPlugin"]  # noqa: F822  (made on first access by the module __getattr__ below)
@@ -47,7 +47,7 @@ def _make_plugin_class() -> type:
 
         def setup(self, task: Any, executor: Any) -> None:
             """Edit the task (a ``run.Partial``) and the executor's environment."""
-            if not _is_buildable(task):
+            if not is_buildable(task):
                 log.warning("CudaGraphPlugin has no effect on a %s task (only on run.Partial recipes)",
                             type(task).__name__)
                 return

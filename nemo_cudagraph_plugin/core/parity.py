@@ -1,0 +1,184 @@
+"""``verify_steps``: a graphed step compared with the same step run eagerly, from the same state.
+
+The eager half runs first under :class:`WriteRecorder`, which snapshots every pre-existing tensor before its first
+write (parameters, gradients, optimizer state, module buffers such as BatchNorm statistics, NaN-guard accumulators);
+those, the adapter's ``mutable_tensors``, every generator and the host counters are restored before the graph's step,
+whose effects are the ones that stay. Training is then exactly that of an unverified run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor
+
+from ._torch_compat import TorchDispatchMode, dispatch_disabled, returns_alias, written_arguments
+from .buffers import flatten
+from .errors import ParityError
+
+if TYPE_CHECKING:
+    from .adapter import StepAdapter
+    from .backend import GraphBackend
+    from .config import CaptureStats
+    from .engine import GraphEntry
+    from .rng import GeneratorRegistry
+
+__all__ = ["StepParity", "WriteRecorder"]
+
+
+class StepParity:
+    """Runs a step eagerly, undoes everything it wrote, then replays the graph and compares (``verify_steps``).
+
+    Args:
+        backend, device: where the default generator's state lives.
+        generators: the extra generators registered with each graph (restored too).
+        adapter: the framework's ``mutable_tensors`` (written by kernels the dispatcher does not see) and
+            ``host_state`` (host counters), restored after the eager half.
+        stats: the verified step is counted there (``verified_steps``, ``replays``).
+        rtol: relative tolerance (0.0: bitwise).
+    """
+
+    def __init__(self, backend: GraphBackend, device: torch.device, generators: GeneratorRegistry,
+                 adapter: StepAdapter, stats: CaptureStats, rtol: float) -> None:
+        self.backend, self.device, self.generators = backend, device, generators
+        self.adapter, self.stats, self.rtol = adapter, stats, rtol
+
+    def replay(self, entry: GraphEntry, leaves: list[Tensor], batch: Any, quiet_fn: Callable[[Any], Any],
+               named_params: Sequence[tuple[str, Tensor]]) -> Any:
+        """The eager step on ``batch`` (``quiet_fn``: no host-visible side effects), undone; then ``entry``'s replay on
+        ``leaves``, whose outputs are returned. Raises :class:`ParityError` when they differ."""
+        be = self.backend
+        rng = be.rng_state(self.device)
+        gens = self.generators.states()
+        extra = [(t, t.detach().clone()) for t in self.adapter.mutable_tensors()]
+        restore_host = self.adapter.host_state()
+        grads = [(p, p.grad) for _, p in named_params]  # eager zero_grad may set them to None
+        # The adapter's reference_step (optional): the eager half runs the user's own optimizer step in it.
+        reference = getattr(self.adapter, "reference_step", None)
+        with reference() if reference is not None else contextlib.nullcontext(), WriteRecorder() as rec:
+            out_eager = quiet_fn(batch)
+        eager_vals = _metrics(out_eager, named_params)
+        post_eager = [p.detach().clone() for _, p in named_params]
+        rec.restore()
+        for p, g in grads:
+            p.grad = g
+        with torch.no_grad():
+            for t, v in extra:
+                t.copy_(v)
+        self.generators.set_states(gens)
+        be.set_rng_state(rng, self.device)
+        restore_host()
+        out_graph = entry.replay(leaves)
+        self.stats.replays += 1
+        graph_vals = _metrics(out_graph, named_params)
+        if entry.owns_grads and any(
+            p.grad is not None and p.grad.data_ptr() != entry.state.get(n + ".grad") for n, p in named_params
+        ):
+            # The parameters' .grad is another graph's memory now: this graph's gradients are not visible.
+            eager_vals.pop("grad_norm", None)
+        rtol = self.rtol
+        problems = []
+        for k in eager_vals:
+            a, b = graph_vals.get(k), eager_vals[k]
+            if a is None or not _close(a, b, rtol):
+                problems.append(f"{k}: graph {a!r} vs eager {b!r}")
+        for (name, p), e in zip(named_params, post_eager):
+            if not _close_t(p.detach(), e, rtol):
+                diff = (p.detach().float() - e.float()).abs().max().item()
+                problems.append(f"parameter '{name}' after the step: max |graph - eager| = {diff:.3e}")
+                break
+        self.stats.verified_steps += 1
+        if problems:
+            raise ParityError(
+                "verify_steps: the graphed step differs from the same step run eagerly (rtol="
+                f"{rtol}):\n  " + "\n  ".join(problems) + "\nThe step does something a replay does not repeat "
+                "(Python-side state, a host value frozen at capture, an unregistered random generator). "
+                "Set on_capture_error='eager' or enabled=False for this model, and please report it."
+            )
+        return out_graph
+
+
+class WriteRecorder(TorchDispatchMode):
+    """Snapshots every tensor that existed before the block, right before its first in-place write.
+
+    Writes are found from the operator schemas (``Tensor(a!)`` arguments, lists included: fused
+    optimizer updates, ``add_``, ``out=`` variants), plus the ``running_mean``/``running_var``
+    arguments of the batch-norm kernels, whose schemas (``native_batch_norm``, ``cudnn_batch_norm``,
+    ``miopen_batch_norm``, ``batch_norm_update_stats``) do not mark them as written although the
+    kernels update them. Tensors created inside the block are skipped. Kernels that bypass torch's
+    dispatcher (custom C++ extensions) are invisible here: :class:`StepParity` snapshots those through its
+    adapter's ``mutable_tensors`` (the Lightning adapter passes the module's buffers and TE's FP8 scaling state).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._created: set[int] = set()
+        self._seen: set[tuple] = set()
+        self._snaps: list[tuple[Tensor, Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for i, name, written in written_arguments(func):
+            if not written and name not in _UNMARKED_WRITES:
+                continue
+            val = kwargs[name] if name in kwargs else (args[i] if i < len(args) else None)
+            for t in val if isinstance(val, (list, tuple)) else (val,):
+                if isinstance(t, Tensor):
+                    self._snapshot(t)
+        out = func(*args, **kwargs)
+        # New tensors (not views of, or writes into, an argument) are temporaries of the block.
+        if not returns_alias(func):
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, Tensor) and t.numel():
+                    self._created.add(t.untyped_storage().data_ptr())
+        return out
+
+    def _snapshot(self, t: Tensor) -> None:
+        if not t.numel():
+            return
+        sp = t.untyped_storage().data_ptr()
+        if sp in self._created:
+            return
+        view = (sp, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view in self._seen:
+            return
+        self._seen.add(view)
+        with dispatch_disabled():
+            self._snaps.append((t, t.detach().clone()))
+
+    def restore(self) -> None:
+        """Write every snapshot back, latest first (overlapping views end with the oldest value)."""
+        with torch.no_grad():
+            for t, v in reversed(self._snaps):
+                t.copy_(v)
+        self._snaps.clear()
+
+
+# Arguments that kernels write although their schemas do not say so (the batch-norm family's running statistics).
+_UNMARKED_WRITES = frozenset({"running_mean", "running_var"})
+
+
+def _metrics(out: Any, named_params: Sequence[tuple[str, Tensor]]) -> dict[str, float]:
+    leaves, _ = flatten(out)
+    vals: dict[str, float] = {}
+    if leaves:
+        vals["loss"] = float(leaves[0].detach().float().sum())
+    grads = [p.grad for _, p in named_params if p.grad is not None]
+    if grads:
+        vals["grad_norm"] = float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+    return vals
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    if a != a or b != b:  # NaN never passes
+        return False
+    return a == b if rtol == 0 else abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+
+
+def _close_t(a: Tensor, b: Tensor, rtol: float) -> bool:
+    if rtol == 0:
+        return torch.equal(a, b)
+    return torch.allclose(a.float(), b.float(), rtol=rtol, atol=0.0)
