@@ -71,13 +71,21 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> Opti
         multi = g.get("foreach") is True or (g.get("foreach") is None and g.get("fused") is None)
         if off or not g.get("capturable") or not multi:
             return f"param group {i} is not capturable multi-tensor Adam ({', '.join(off) or 'capturable/foreach off'})"
-        for p in g["params"]:
-            # foreach=None means multi-tensor for plain CUDA tensors, as torch decides it (subclasses differ).
-            if p.dtype != torch.float32 or p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
-                return f"param group {i} holds a parameter that is not a float32 {device_type} tensor ({p.dtype}, {p.device})"
-            devices.add(p.device)
+        # foreach=None means multi-tensor for plain CUDA tensors, as torch decides it (subclasses differ).
+        if (why := plain_float32_params(i, g, device_type, devices)) is not None:
+            return why
     if len(devices) > 1:
         return f"{name}'s parameters live on {len(devices)} devices"
+    return None
+
+
+def plain_float32_params(i: int, group: dict, device_type: str, devices: set) -> Optional[str]:
+    """Why param group ``i`` holds a parameter other than a plain float32 tensor on ``device_type`` (``None``: it
+    holds none); the devices seen are added to ``devices``."""
+    for p in group["params"]:
+        if p.dtype != torch.float32 or p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
+            return f"param group {i} holds a parameter that is not a float32 {device_type} tensor ({p.dtype}, {p.device})"
+        devices.add(p.device)
     return None
 
 

@@ -56,6 +56,7 @@ from ._torch_compat import (
     adam_step_is_torchs,
     mark_step_called,
 )
+from .adam_step import plain_float32_params
 from .adam_tail import EagerAdamTail, tail_applies
 from .finite import triton_available
 
@@ -144,10 +145,8 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
             return f"param group {i} runs the for-loop update (foreach=False)"
         if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
             return f"param group {i} has a tensor lr or betas"
-        for p in g["params"]:
-            if p.dtype != torch.float32 or p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
-                return f"param group {i} holds a parameter that is not a float32 {device_type} tensor ({p.dtype})"
-            devices.add(p.device)
+        if (why := plain_float32_params(i, g, device_type, devices)) is not None:
+            return why
     if len(devices) > 1:
         return f"{name}'s parameters live on {len(devices)} devices"
     return None
