@@ -17,7 +17,10 @@ never asks the host. A batch with an ``attention_mask`` always gets the boolean 
 function, other kernels). A call with neither an ``attention_mask`` nor ``position_ids`` is handed to HF's mask code
 with a mask of ones (a forward pre-hook on the innermost HF model), which skips the packing question, and the mask
 function turns it back into "no mask": SDPA's ``is_causal``, the kernels the unmodified model runs. Padded and
-unpadded batches therefore train exactly as with ``"sdpa"``. A call that passes ``position_ids`` without a mask
+unpadded batches therefore train exactly as with ``"sdpa"``. Under ``torch.compile`` the same holds, traced or not:
+HF's traced mask code would skip the read by itself, but code that dynamo runs eagerly (past its recompile limit, or
+around a graph break) reads the host, so the hook does not depend on it; a compiled graph-safe model therefore runs
+``is_causal`` where the unmodified compiled model masks with the packed-sequence mask HF builds when tracing. A call that passes ``position_ids`` without a mask
 still asks the host whether they pack sequences, and is refused at capture with that line.
 
 **Mixture of experts** (``hf_experts="graph_safe"``, transformers 5). The experts of an MoE layer run through HF's
@@ -102,8 +105,6 @@ def has_hf_models(module: nn.Module) -> bool:
 def _ones_for_no_mask(model: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     """Forward pre-hook of an innermost HF model: a mask of ones where the call passes neither a mask nor
     position ids (nor a cache: its offsets would size the mask)."""
-    if torch.compiler.is_compiling():  # compiled code takes HF's tracing path, which reads nothing
-        return None
     if len(args) > 1:  # the model called with positional arguments beyond the tokens: leave the call alone
         _ONES_FOR_NO_MASK.append(False)
         return None
@@ -120,7 +121,7 @@ def _ones_for_no_mask(model: nn.Module, args: tuple, kwargs: dict) -> Optional[t
 
 
 def _forward_done(model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if not torch.compiler.is_compiling() and _ONES_FOR_NO_MASK:
+    if _ONES_FOR_NO_MASK:
         _ONES_FOR_NO_MASK.pop()
 
 

@@ -118,6 +118,55 @@ def test_unpadded_batches_without_a_mask_are_graphed_and_train_as_the_unmodified
     assert not module.model.model._forward_pre_hooks  # the pre-hook is given back after fit
 
 
+class _SdpaCalls(torch.overrides.TorchFunctionMode):
+    """Records (attn_mask is None, is_causal) of every scaled_dot_product_attention call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self.calls.append((mask is None, bool(kwargs.get("is_causal", False))))
+        return func(*args, **kwargs)
+
+
+@tf5_only
+def test_a_call_without_a_mask_keeps_sdpas_is_causal_as_the_unmodified_model():
+    ids = torch.randint(0, 512, (2, 16))
+    seen = {}
+    for switched in (False, True):
+        module = HFCausalLM(llama())
+        if switched:
+            graph_safe_attention(module)
+        with _SdpaCalls() as sdpa:
+            module.model(input_ids=ids, use_cache=False)
+        seen[switched] = sdpa.calls
+    assert seen[False] == [(True, True)] * 2  # 2 layers, no mask, is_causal
+    assert seen[True] == seen[False]
+
+
+@tf5_only
+def test_a_compiled_model_that_dynamo_runs_eagerly_never_asks_about_packing(monkeypatch):
+    """Past dynamo's recompile limit the model's code runs eagerly, where HF's own mask code reads the host; the
+    graph-safe attention hands it the mask of ones there too."""
+    from transformers import masking_utils
+
+    asked = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda pos: asked.append(1) or real(pos))
+    ids = torch.randint(0, 512, (2, 16))
+    with torch._dynamo.config.patch(cache_size_limit=1):
+        for seed in (0, 1):  # the second model's forward exceeds the limit: run eagerly
+            module = HFCausalLM(llama(), seed=seed)
+            graph_safe_attention(module)
+            torch.compile(module.model)(input_ids=ids, labels=ids, use_cache=False)
+    torch._dynamo.reset()
+    assert asked == []
+
+
 @tf5_only
 def test_position_ids_without_a_mask_are_refused_naming_hfs_packing_question():
     class WithPositions(HFCausalLM):

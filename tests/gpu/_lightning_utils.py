@@ -39,9 +39,12 @@ class CapturableEager(pl.Callback):
     Graph replay and this eager run then execute the same kernels, so they must agree bit for bit.
     """
 
+    def __init__(self, math: Optional[str] = None) -> None:
+        # the callback's optimizer_math (its default where None): the user's own update where it covers the optimizer
+        self.math = math or CaptureConfig().optimizer_math
+
     def on_train_start(self, trainer, pl_module):
-        # as the callback prepares it, with its default optimizer math (the user's own where it covers the optimizer)
-        self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device, math=CaptureConfig().optimizer_math,
+        self.prep = OptimizerPrep(trainer.optimizers[0], pl_module.device, math=self.math,
                                   step_count=lambda: trainer.global_step)
         self.prep.apply()
 

@@ -159,7 +159,9 @@ def test_lr_schedule_reaches_the_replayed_optimizer_and_matches_torch_adamw(how)
         live, freeze = {"sched": "cosine"}, {"sched": "frozen"}
     else:
         live, freeze = {"extra": [FloatLR()]}, {"extra": [FloatLR(frozen_at=3)]}
-    cb, g = _run(True, steps, **live)
+    # the capturable optimizer math, whose lr is the device tensor checked here (the user's own math, the default,
+    # keeps the float lr: tests/gpu/test_user_optimizer_gpu.py trains a schedule with it bitwise)
+    cb, g = _run(True, steps, cb_kw={"optimizer_math": "capturable"}, **live)
     _, ref = _run(False, steps, **live)  # the user's AdamW as configured: capturable=False, float lr
     _, frozen = _run(False, steps, **freeze)
     assert cb.stats.replays == steps - 4 and cb.stats.recaptures == 0, cb.stats.summary()

@@ -23,15 +23,16 @@ def _graphed(steps=STEPS, module_kw=None, cb_kw=None, **kw):
     return cb, trainer, rec
 
 
-def _eager(steps=STEPS, module_kw=None, capturable=True, **kw):
-    cbs = [CapturableEager()] if capturable else []
+def _eager(steps=STEPS, module_kw=None, capturable=True, math=None, **kw):
+    cbs = [CapturableEager(math)] if capturable else []
     return fit(make_module(**(module_kw or {})), cbs, steps, **kw)
 
 
 def test_fast_adam_trains_as_torchs_capturable_adamw_bit_for_bit():
     # verify_steps: the first graphed steps also run torch's own step eagerly, compared bit for bit (ParityError)
-    cb, _, g = _graphed(cb_kw={"fast_adam": True, "verify_steps": 3})
-    _, e = _eager()
+    # fast_adam replaces torch's capturable update: the capturable optimizer math (the default runs the user's own)
+    cb, _, g = _graphed(cb_kw={"fast_adam": True, "verify_steps": 3, "optimizer_math": "capturable"})
+    _, e = _eager(math="capturable")
     assert cb.stats.verified_steps == 3
     fast = cb.step_runner.fast_adam
     assert cb.stats.fast_adam_unused == "" and fast.counted_groups == 2 * cb.stats.captures and not fast.torch_groups

@@ -45,7 +45,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from nemo_cudagraph_plugin import CaptureError, CudaGraphCallback, CudaGraphStrategy
-from nemo_cudagraph_plugin.hf import graph_safe_experts
+from nemo_cudagraph_plugin.hf import graph_safe_attention, graph_safe_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -159,8 +159,8 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
     graphs) or ``plain`` (the user's unmodified eager run)."""
     pl.seed_everything(0, verbose=False)
     module_kw = dict(case.module_kw)
-    if how == "reference":  # the experts the graphed run switches to (a no-op for dense models)
-        module_kw["prepare"] = _then(module_kw.get("prepare"), graph_safe_experts)
+    if how == "reference":  # the attention and experts the graphed run switches to (no-ops where there are none)
+        module_kw["prepare"] = _then(module_kw.get("prepare"), _graph_safe)
     module = HFCausalLM(case.config(), **module_kw)
     timer = _Timer()
     cbs: list = [*callbacks, timer]
@@ -199,6 +199,11 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
     stats = graph_cb.stats if graph_cb is not None else getattr(trainer.strategy, "stats", None)
     return Run(torch.stack(timer.losses).cpu(), timer.ms_per_step(), torch.cuda.max_memory_allocated() / 2**30, stats,
                timer.steps)
+
+
+def _graph_safe(model: Any) -> None:
+    graph_safe_attention(model)
+    graph_safe_experts(model)
 
 
 def _then(first: Optional[Callable[[Any], Any]], second: Callable[[Any], Any]) -> Callable[[Any], None]:
