@@ -298,6 +298,11 @@ class OptimizerPrep:
                 return f"param group {idx}: {key} {value!r} -> {_to_float_tree(group[key])!r}"
         return None
 
+    def portable_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` (the optimizer's) with float lr/betas and the kernel flags the user set before
+        :meth:`apply` changed them, so it loads anywhere (in place; also returned)."""
+        return portable_optimizer_state(state_dict, self._saved)
+
     # -- teardown ------------------------------------------------------------------------------
     def restore(self) -> None:
         """Put back float hyperparameters (current values) and the original kernel choices."""

@@ -36,7 +36,7 @@ from ..core.engine import CaptureEngine, GraphEntry
 from ..core.errors import CaptureError, locate_frames
 from ..core.module_state import ModuleStateWatch
 from ..core.nan_guard import NanGuard, NanPolicy
-from ..core.optim import OptimizerPrep, ParamGroupWatch, portable_optimizer_state
+from ..core.optim import OptimizerPrep, ParamGroupWatch
 from ..core.rng import GeneratorRegistry
 from ..hf import (
     EXPERTS_GRAPH_SAFE,
@@ -519,10 +519,7 @@ class LightningStepRunner:
     def portable_optimizer_state(self, state: dict) -> dict:
         """An optimizer's ``state_dict`` with float lr/betas and the user's kernel flags, so it loads anywhere (in
         place; also returned)."""
-        if self.prep is not None:
-            # The flags as the user set them, before OptimizerPrep changed them.
-            portable_optimizer_state(state, self.prep._saved)
-        return state
+        return self.prep.portable_state(state) if self.prep is not None else state
 
 
 def check_single_owner(trainer: Any) -> None:
