@@ -51,17 +51,24 @@ Hyper = Union[float, Tensor]
 _ABSENT = object()
 
 
+def not_torchs_adam(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer`` is not a torch Adam/AdamW whose step this package mirrors (``None``: it is)."""
+    lo, hi = ADAM_STEP_SHAPE
+    if not isinstance(optimizer, torch.optim.Adam) or not adam_step_is_torchs(optimizer):
+        return f"{type(optimizer).__name__} is not torch.optim.Adam/AdamW with torch's own step()"
+    if not lo <= TORCH_VERSION <= hi:
+        return f"torch {TORCH_VERSION} is outside {lo.base_version} - {hi.major}.{hi.minor}, whose Adam step it mirrors"
+    return None
+
+
 def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> Optional[str]:
     """Why the group-scalar update cannot stand in for ``optimizer``'s step, or ``None`` when it can.
 
     ``device_type``: where graphs are captured (the engine's backend; ``"cpu"`` for the CPU stand-in).
     """
     name = type(optimizer).__name__
-    lo, hi = ADAM_STEP_SHAPE
-    if not isinstance(optimizer, torch.optim.Adam) or not adam_step_is_torchs(optimizer):
-        return f"{name} is not torch.optim.Adam/AdamW with torch's own step()"
-    if not lo <= TORCH_VERSION <= hi:
-        return f"torch {TORCH_VERSION} is outside {lo.base_version} - {hi.major}.{hi.minor}, whose Adam step it mirrors"
+    if (why := not_torchs_adam(optimizer)) is not None:
+        return why
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return f"{name} has grad_scale/found_inf set (those run the fused kernel)"
     devices = set()

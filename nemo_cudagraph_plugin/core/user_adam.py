@@ -49,14 +49,11 @@ import torch
 from torch import Tensor
 
 from ._torch_compat import (
-    ADAM_STEP_SHAPE,
-    TORCH_VERSION,
     adam_default_foreach,
     adam_init_group,
-    adam_step_is_torchs,
     mark_step_called,
 )
-from .adam_step import plain_float32_params
+from .adam_step import not_torchs_adam, plain_float32_params
 from .adam_tail import EagerAdamTail, tail_applies
 from .finite import triton_available
 
@@ -125,11 +122,8 @@ def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
 def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
     """Why the user's own update cannot be captured for ``optimizer`` (``None``: it can)."""
     name = type(optimizer).__name__
-    lo, hi = ADAM_STEP_SHAPE
-    if not isinstance(optimizer, torch.optim.Adam) or not adam_step_is_torchs(optimizer):
-        return f"{name} is not torch.optim.Adam/AdamW with torch's own step()"
-    if not lo <= TORCH_VERSION <= hi:
-        return f"torch {TORCH_VERSION} is outside {lo.base_version} - {hi.major}.{hi.minor}, whose Adam step it mirrors"
+    if (why := not_torchs_adam(optimizer)) is not None:
+        return why
     if skip_nonfinite:
         return "nan_action='skip' runs the fused kernel (it reads found_inf on the device)"
     if device_type == "cuda" and not triton_available():
