@@ -159,6 +159,35 @@ def test_peak_memory_is_compared_with_the_same_run_without_our_graphs_and_the_fl
     assert ("peak memory, ours / eager", True) in missed
 
 
+def test_the_reserved_peak_is_a_column_next_to_the_allocated_one_because_replays_bypass_the_allocator():
+    runs = [_run("eager", 0, 40.0, peak_gib=4.0, peak_reserved_bytes=5 * 2**30),
+            _run("compile_ro", 0, 18.0, peak_gib=3.0, peak_reserved_bytes=int(4.5 * 2**30)),
+            _run("compile_ours", 0, 16.5, peak_gib=3.6)]
+    res = _one(runs)
+    v = res["variants"]
+    assert v["eager"]["peak_reserved_gib"] == pytest.approx(5.0)
+    assert v["compile_ro"]["peak_reserved_gib"] == pytest.approx(4.5)
+    assert v["compile_ours"]["peak_reserved_gib"] is None  # a record from before the column
+    table = [ln for ln in report.workload_table(res) if ln.startswith("|")]
+    head = [c.strip() for c in table[0].replace("\\|", "").split("|")]
+    col = head.index("peak reserved GiB")
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.replace("\\|", "").split("|")] for ln in table[2:]}
+    assert rows["compile `reduce-overhead`"][col] == "4.50" and rows["compile + ours"][col] == "–"
+
+
+def test_the_capturable_math_variants_ask_the_callback_for_it_and_compare_with_the_users_eager_run():
+    from benchmarks.harness.variants import VARIANTS as V
+
+    for name, compiled in (("ours_capturable", None), ("compile_ours_capturable", "default"),
+                           ("ours_torch_adam", None), ("compile_ours_torch_adam", "default")):
+        v = V[name]
+        assert dict(v.options)["optimizer_math"] == "capturable" and v.ours and v.compile == compiled, name
+        assert v.loss_reference == ("compile" if compiled else "eager"), name
+        assert runner.estimate_s({**_run(name, 0, 1.0), "dry_run": False}) == \
+            runner.estimate_s({**_run("compile_ours" if compiled else "ours", 0, 1.0), "dry_run": False})
+    assert dict(V["ours_torch_adam"].options)["fast_adam"] is False
+
+
 def test_page_and_readme_show_skipped_and_failed_runs_and_the_markers_are_replaced(tmp_path):
     runs = [_run("eager", 0, 40.0), _run("ours", 0, 12.0),
             {**_run("compile", 0, None, ok=False), "skipped": True, "error": "skipped: estimated 90 s ..."},

@@ -289,6 +289,9 @@ def run_variant(job: dict) -> dict:
     out.update(probe.summary())
     if cuda:
         out["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
+        # What the process held from the GPU: a replay (ours, or cudagraph trees') takes its memory from its graph's
+        # pool without the allocator, so the allocated figure misses what replays use; the reserved one does not.
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     for cb in callbacks:
         if hasattr(cb, "stats"):
             out["stats"] = stats_record(cb.stats)

@@ -37,7 +37,8 @@ def job_key(job: dict) -> str:
 #: variants planned as another one: the optimizer's preparation changes neither the model, its compile nor the
 #: step time by much (the optimizer's kernels are a few percent of a step)
 ESTIMATE_AS = {"reference": "eager", "compile_reference": "compile", "ours_torch_adam": "ours",
-               "compile_ours_torch_adam": "compile_ours"}
+               "compile_ours_torch_adam": "compile_ours", "ours_capturable": "ours",
+               "compile_ours_capturable": "compile_ours"}
 
 
 def estimate_s(job: dict) -> float:

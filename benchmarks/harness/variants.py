@@ -42,10 +42,15 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("ours", "ours", "`CudaGraphCallback()`", ours=True, loss_reference="reference"),
     Variant("ours_noguard", "ours, NaN guard off", "`CudaGraphCallback(nan_guard=False)`: what the guard costs",
             ours=True, loss_reference="reference", options=(("nan_guard", False),)),
+    Variant("ours_capturable", "ours, capturable optimizer math",
+            "`CudaGraphCallback(optimizer_math=\"capturable\")`: the optimizer prepared capturable (bias corrections "
+            "on the device in float32, the group-scalar update of `fast_adam`) instead of the user's own update: what "
+            "the user's own math costs or saves; its losses differ from eager's by that math",
+            ours=True, loss_reference="eager", options=(("optimizer_math", "capturable"),)),
     Variant("ours_torch_adam", "ours, torch's AdamW step",
-            "`CudaGraphCallback(fast_adam=False)`: the graph replays torch's own capturable AdamW update (one division "
-            "kernel per parameter, twice): what `fast_adam` saves", ours=True, loss_reference="reference",
-            options=(("fast_adam", False),)),
+            "`CudaGraphCallback(optimizer_math=\"capturable\", fast_adam=False)`: the graph replays torch's own "
+            "capturable AdamW update (one division kernel per parameter, twice): what `fast_adam` saves",
+            ours=True, loss_reference="eager", options=(("optimizer_math", "capturable"), ("fast_adam", False))),
     Variant("compile", "compile", "`torch.compile(model)` (mode `default`) in `configure_model`", compile="default",
             loss_reference="eager"),
     Variant("compile_reference", "compile, optimizer prepared",
@@ -57,9 +62,14 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             compile="reduce-overhead", reference="compile", loss_reference="compile"),
     Variant("compile_ours", "compile + ours", "`torch.compile(model)` (mode `default`) + `CudaGraphCallback()`",
             compile="default", ours=True, reference="compile", loss_reference="compile_reference"),
+    Variant("compile_ours_capturable", "compile + ours, capturable optimizer math",
+            "`torch.compile(model)` (mode `default`) + `CudaGraphCallback(optimizer_math=\"capturable\")`",
+            compile="default", ours=True, reference="compile", loss_reference="compile",
+            options=(("optimizer_math", "capturable"),)),
     Variant("compile_ours_torch_adam", "compile + ours, torch's AdamW step",
-            "`torch.compile(model)` (mode `default`) + `CudaGraphCallback(fast_adam=False)`", compile="default",
-            ours=True, reference="compile", loss_reference="compile_reference", options=(("fast_adam", False),)),
+            "`torch.compile(model)` (mode `default`) + `CudaGraphCallback(optimizer_math=\"capturable\", "
+            "fast_adam=False)`", compile="default", ours=True, reference="compile", loss_reference="compile",
+            options=(("optimizer_math", "capturable"), ("fast_adam", False))),
     Variant("nemo", "NeMo 3.0.0 callback",
             "NeMo 3.0.0's `CUDAGraphCallback(capture_iteration=12)` from its wheel, optimizer built with "
             "`capturable=True` and a device-tensor learning rate, the schedule an `_LRScheduler` subclass (NeMo "
@@ -68,7 +78,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             loss_reference="reference"),
 )}
 
-#: the table's variants; ``ours_noguard``, ``ours_torch_adam`` and ``compile_ours_torch_adam`` run when asked for
+#: the table's variants; ``ours_noguard``, ``ours_capturable``, ``ours_torch_adam`` and their compiled forms run when
+#: asked for
 #: (``--variants``)
 DEFAULT_VARIANTS = ["eager", "reference", "ours", "compile", "compile_reference", "compile_ro", "compile_ours",
                     "nemo"]

@@ -157,6 +157,9 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
          batches: int = STEPS, **extra_trainer_kw: Any) -> Run:
     """``how``: ``graphed`` (the callback, or ``case.strategy``), ``reference`` (eager, optimizer prepared as under
     graphs) or ``plain`` (the user's unmodified eager run)."""
+    # Each run compiles afresh: dynamo's caches are per code object across model instances, and a run past its
+    # recompile limit executes some frames uncompiled, so two runs of one case would compare different kernels.
+    torch.compiler.reset()
     pl.seed_everything(0, verbose=False)
     module_kw = dict(case.module_kw)
     if how == "reference":  # the attention and experts the graphed run switches to (no-ops where there are none)
