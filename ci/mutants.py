@@ -67,6 +67,9 @@ MEGATRON_CALLBACKS = "nemo_cudagraph_plugin/integrations/megatron/callbacks.py"
 FP8_PIPELINE = "nemo_cudagraph_plugin/fp8/pipeline.py"
 NEMO_MEGATRON = "nemo_cudagraph_plugin/integrations/nemo/_megatron_recipe.py"
 NEMO_LIGHTNING = "nemo_cudagraph_plugin/integrations/nemo/_lightning_recipe.py"
+PARTIAL = "nemo_cudagraph_plugin/core/partial.py"
+GMOD = "nemo_cudagraph_plugin/core/graphed_module.py"
+PT = "tests/test_partial_cpu.py::"
 
 
 @dataclass(frozen=True)
@@ -1183,6 +1186,50 @@ MUTANTS: list[Mutant] = [
            "12.0 * layers * seq * seq * hidden * batch",
            ("tests/test_harness.py::test_mfu_counts_six_n_tokens_plus_causal_attention_over_the_datasheet_peak",),
            "MFU counts full rather than causal attention FLOPs"),
+    # -- the partial tier: discovery, the autograd wiring, its guards -------------------------------------------------
+    Mutant("partial-failed-module-children-not-tried", "cpu", PARTIAL,
+           "        for child in node.children:\n            self._assign(child)\n        return node.forward(*args, **kwargs)",
+           "        return node.forward(*args, **kwargs)",
+           (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",
+            PT + "test_a_module_whose_own_code_reads_the_host_keeps_its_children_graphed"),
+           "a module whose capture failed runs eagerly with its whole subtree: no child is tried"),
+    Mutant("partial-failed-capture-keeps-its-draws", "cpu", PARTIAL,
+           "            be.set_rng_state(rng[0], self.device)\n",
+           "",
+           (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
+           "a failed capture's random draws are not given back: the eager call after it draws other dropout masks"),
+    Mutant("partial-module-state-guard-off", "cpu", PARTIAL,
+           "        why = self.watch.changed()\n        if why is not None:",
+           "        why = None\n        if why is not None:",
+           (PT + "test_train_eval_change_recaptures",),
+           "train/eval (and every module value a graph baked in) is not checked before a step"),
+    Mutant("partial-address-guard-off", "cpu", PARTIAL,
+           "                why = difference(node.cache.peek(key).state, False, now)",
+           "                why = None",
+           (PT + "test_a_moved_parameter_recaptures",),
+           "a graphed module's re-allocated parameter is not noticed: its graphs read the old memory"),
+    Mutant("partial-key-without-shapes", "cpu", PARTIAL,
+           "        key = (signature_of(leaves, spec), tuple(t.requires_grad for t in leaves)",
+           "        key = (spec, tuple(t.requires_grad for t in leaves)",
+           (PT + "test_a_new_input_shape_is_a_new_capture",),
+           "a module call of a new input shape replays the graph of another shape"),
+    Mutant("partial-grad-buffers-adopted", "cpu", GMOD,
+           "        self._replay(self.bwd)\n        return self.grad_ins",
+           "        self._replay(self.bwd)\n        return tuple(None if g is None else g.detach() for g in self.grad_ins)",
+           (PT + "test_gradients_accumulate_into_grad_as_in_eager_training",),
+           "the backward hands autograd tensors nobody else holds: it adopts the graph's gradient memory as .grad, "
+           "which the next replay overwrites"),
+    Mutant("partial-outputs-not-copied", "cpu", GMOD,
+           "            copy_all(fresh, self.outs)\n        return fresh",
+           "            copy_all(fresh, self.outs)\n        return list(self.outs)",
+           (PT + "test_outputs_are_copies_that_later_replays_do_not_overwrite",),
+           "a graphed module returns its static outputs: a kept output changes on the next replay"),
+    Mutant("partial-backward-first-replay-skipped", "cpu", GMOD,
+           "        bwd.replay()\n",
+           "",
+           (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
+           "the replay a backend makes right after the backward's capture is left for the call's own backward: on "
+           "a backend that runs while it captures, that backward returns the capture's gradients"),
 ]
 
 

@@ -6,8 +6,9 @@ version the package still runs and warns once; below the minimum it refuses.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
     "adam_step_is_torchs",
     "adam_default_foreach",
     "mark_step_called",
+    "autocast_cache_disabled",
+    "autocast_state",
 ]
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -175,3 +178,19 @@ def mark_step_called(optimizer: Any) -> None:
     """What torch's LR scheduler's wrapper of ``optimizer.step`` records (it warns when a schedule steps first): set
     by a step that stands in for the wrapped one."""
     optimizer._opt_called = True
+
+
+@contextlib.contextmanager
+def autocast_cache_disabled() -> Iterator[None]:
+    """Autocast's cache of cast weights off (restored after): casts run where they are called, every time."""
+    prev = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(prev)
+
+
+def autocast_state(device_type: str) -> tuple[bool, Any]:
+    """Whether autocast is on for ``device_type`` and its dtype: a graph bakes in both."""
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)

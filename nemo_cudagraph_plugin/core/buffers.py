@@ -35,6 +35,10 @@ def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Hashable:
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return _T
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # Before dict: a dict that is a dataclass (Hugging Face's ModelOutput) is rebuilt as its own class.
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        return ("D", type(obj), names, tuple(_flatten(getattr(obj, n), leaves) for n in names))
     if isinstance(obj, dict):
         keys = tuple(obj.keys())
         return ("d", keys, tuple(_flatten(obj[k], leaves) for k in keys))
@@ -44,9 +48,6 @@ def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Hashable:
         return ("t", tuple(_flatten(v, leaves) for v in obj))
     if isinstance(obj, list):
         return ("l", tuple(_flatten(v, leaves) for v in obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = tuple(f.name for f in dataclasses.fields(obj))
-        return ("D", type(obj), names, tuple(_flatten(getattr(obj, n), leaves) for n in names))
     try:
         hash(obj)
     except TypeError:

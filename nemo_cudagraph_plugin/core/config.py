@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
 
-__all__ = ["CaptureConfig", "CaptureStats", "with_capture_options"]
+__all__ = ["CaptureConfig", "CaptureStats", "PartialStats", "with_capture_options"]
 
 NanGuardMode = Union[bool, Literal["loss", "full"]]
 
@@ -103,6 +103,14 @@ class CaptureConfig:
             says so. ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device
             tensor, bias corrections computed on the device in float32): bitwise equal to eager training with that
             preparation, about 1e-4 relative from your own run.
+        scope: what is graphed. ``"step"``: the whole step, or (a step that cannot be captured whole)
+            ``on_capture_error``'s refusal or eager training. ``"modules"``: partial graphs always: the forward and
+            backward of the largest submodules that capture are graphs (static inputs and outputs, an
+            ``autograd.Function`` replaying them), found by the plugin on any ``nn.Module``; the code between them
+            (the islands, each with the capture error that made it one), the loss outside modules and the optimizer
+            side of the step (zero-grad, clipping, the optimizer step) run eagerly, as you wrote them
+            (:mod:`nemo_cudagraph_plugin.core.partial`); ``stats.partial`` reports what was graphed. ``"auto"``: the
+            whole step where it captures, else partial graphs from the step whose capture failed on.
     """
 
     enabled: bool = True
@@ -124,6 +132,7 @@ class CaptureConfig:
     hf_experts: Literal["graph_safe", "as_is"] = "graph_safe"
     fast_adam: bool = True
     optimizer_math: Literal["eager", "capturable"] = "eager"
+    scope: Literal["step", "modules", "auto"] = "step"
 
     def __post_init__(self) -> None:
         _check(self, "CaptureConfig")
@@ -196,6 +205,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "hf_experts": (lambda v: v in ("graph_safe", "as_is"), "use 'graph_safe' or 'as_is'"),
     "fast_adam": (lambda v: isinstance(v, bool), "use True or False"),
     "optimizer_math": (lambda v: v in ("eager", "capturable"), "use 'eager' or 'capturable'"),
+    "scope": (
+        lambda v: v in ("step", "modules", "auto"),
+        "use 'step' (the whole step or nothing), 'modules' (graphs of the submodules that capture) or 'auto' "
+        "(the whole step where it captures, else 'modules')",
+    ),
 }
 
 
@@ -241,6 +255,49 @@ def with_capture_options(init: F) -> F:
 
 
 @dataclass
+class PartialStats:
+    """What the partial tier graphed (``scope="modules"``, or ``"auto"`` where the whole step did not capture)."""
+
+    #: the submodules whose forward and backward are graphs (dotted names, ``""`` for the root)
+    graphed: list[str] = field(default_factory=list)
+    #: the eager islands: module name -> why it is not a graph (the capture error, with the file:line that caused it)
+    islands: dict[str, str] = field(default_factory=dict)
+    #: modules the step calls, and how many of them run inside a graph (a graphed module and everything it contains)
+    modules_called: int = 0
+    modules_graphed: int = 0
+    #: operators the dispatcher saw in one eager step, and in one step with every graph replayed (outside graphs)
+    ops_step: int = 0
+    ops_outside: Optional[int] = None
+    #: forward+backward graph pairs captured, and replayed (per module call)
+    captures: int = 0
+    replays: int = 0
+    #: module calls run eagerly though their module is graphed: the reason -> count
+    eager_calls: dict[str, int] = field(default_factory=dict)
+    #: what happens to the optimizer side of the step
+    optimizer: str = ("eager: zero-grad, clipping, the NaN guard and the optimizer step run eagerly every step, the "
+                      "optimizer prepared as for whole-step graphs (the partial tier does not graph them yet)")
+
+    @property
+    def op_coverage(self) -> Optional[float]:
+        """Share of the step's operators (kernel launches as the dispatcher sees them) run inside graphs; ``None``
+        until measured."""
+        if not self.ops_step or self.ops_outside is None or not self.graphed:
+            return None
+        return max(0.0, 1.0 - self.ops_outside / self.ops_step)
+
+    def summary(self) -> str:
+        cov = self.op_coverage
+        islands = "; ".join(f"{n or '<root>'}: {why}" for n, why in self.islands.items()) or "none"
+        return (
+            f"partial graphs: {len(self.graphed)} graphed modules ({', '.join(n or '<root>' for n in self.graphed)}),"
+            f" {self.modules_graphed}/{self.modules_called} modules inside graphs"
+            + (f", {cov:.1%} of the step's operators" if cov is not None else "")
+            + f"; {self.captures} captures, {self.replays} module replays; islands: {islands};"
+            f" optimizer side {self.optimizer.split(':')[0]}"
+        )
+
+
+@dataclass
 class CaptureStats:
     """Counters of what the engine did; read them after ``fit`` (``callback.stats``)."""
 
@@ -267,6 +324,8 @@ class CaptureStats:
     fast_adam_unused: str = ""
     #: why the graphed optimizer update is not your optimizer's own eager update ("" when it is)
     optimizer_math: str = ""
+    #: the partial tier's graphs and islands (``None``: the partial tier did not run)
+    partial: Optional[PartialStats] = None
 
     @property
     def peak_over_eager(self) -> Optional[float]:
@@ -290,4 +349,5 @@ class CaptureStats:
                f" {self.peak_eager_bytes / 2**30:.2f} GiB" if self.peak_over_eager is not None else "")
             + (f"; fast_adam unused: {self.fast_adam_unused}" if self.fast_adam_unused else "")
             + (f"; optimizer math differs from your eager step: {self.optimizer_math}" if self.optimizer_math else "")
+            + (f"; {self.partial.summary()}" if self.partial is not None else "")
         )

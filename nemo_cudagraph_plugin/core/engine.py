@@ -182,6 +182,10 @@ class CaptureEngine:
         self._warmup_left = config.warmup_steps
         self._seen: set[Hashable] = set()
         self._verify_left = config.verify_steps
+        #: told, instead of ``on_capture_error``, that a capture failed (``scope="auto"``): the caller graphs parts of
+        #: the later steps (the partial tier) and calls :meth:`hand_over`; this step then runs eagerly
+        self.fallback: Optional[Callable[[CaptureError], None]] = None
+        self._eager_label = "disabled"
 
     # ------------------------------------------------------------------------------------------
     # the step, and what drops graphs
@@ -284,6 +288,14 @@ class CaptureEngine:
         self.cache.clear()
         self.stats.graphs = 0
 
+    def hand_over(self, reason: str) -> None:
+        """Capture no whole step for the rest of training, without a warning: the caller graphs parts of each step
+        itself (the partial tier) around the eager steps this engine runs (counted as ``"partial graphs"``)."""
+        self.disabled_reason = reason
+        self._eager_label = "partial graphs"
+        self.cache.clear()
+        self.stats.graphs = 0
+
     def note_peak_memory(self) -> None:
         """Record the device's peak allocated memory so far in ``stats.peak_bytes`` (after a capture; at the end of
         fit). A read of the allocator's counters: no sync, no device work."""
@@ -307,7 +319,7 @@ class CaptureEngine:
     def _miss(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, fn: StepFn, fresh_grads: bool) -> Any:
         cfg = self.config
         if self.disabled_reason is not None:
-            self.stats.count_eager("disabled")
+            self.stats.count_eager(self._eager_label)
             return fn(batch)
         if self._warmup_left > 0:
             self._warmup_left -= 1
@@ -344,7 +356,7 @@ class CaptureEngine:
         s.wait_stream(cur)
         restore = self.adapter.host_state() if sync_check else None
         backup = None
-        if sync_check and self.config.on_capture_error == "eager" and not fresh_grads:
+        if sync_check and (self.config.on_capture_error == "eager" or self.fallback is not None) and not fresh_grads:
             # A sync error can stop the step half-way (after backward, say); keep the gradients so the
             # eager fallback does not accumulate them twice. Only then: it costs one gradient copy. A step that
             # zeroes its gradients (fresh_grads) needs none: the fallback zeroes them again.
@@ -442,6 +454,10 @@ class CaptureEngine:
         return out
 
     def _handle_capture_error(self, err: CaptureError, exc: BaseException, fn: StepFn, batch: Any) -> Any:
+        if self.fallback is not None:
+            self.fallback(err)
+            self.stats.count_eager(self._eager_label)
+            return fn(batch)
         if self.config.on_capture_error == "raise":
             raise err from exc
         self.disable(str(err).splitlines()[0])

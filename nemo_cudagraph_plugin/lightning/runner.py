@@ -37,6 +37,7 @@ from ..core.errors import CaptureError, locate_frames
 from ..core.module_state import ModuleStateWatch
 from ..core.nan_guard import NanGuard, NanPolicy
 from ..core.optim import OptimizerPrep, ParamGroupWatch
+from ..core.partial import PartialGraphs
 from ..core.rng import GeneratorRegistry
 from ..hf import (
     EXPERTS_GRAPH_SAFE,
@@ -121,10 +122,14 @@ class LightningStepRunner:
         self._rapid = 0
         self._replays_at_change = -_RAPID_REPLAYS
         self._drop_grads: list[Tensor] = []
+        #: the partial tier (scope="modules", or "auto" once the whole step did not capture); None: whole steps
+        self.partial: Optional[PartialGraphs] = None
 
     @property
     def eager_reason(self) -> Optional[str]:
         """Why this fit trains eagerly (``None`` while graphs are used)."""
+        if self.partial is not None:
+            return None
         if self.refused is not None:
             return self.refused.message
         return self.engine.disabled_reason if self.engine is not None else None
@@ -160,6 +165,7 @@ class LightningStepRunner:
         """
         _compat.check_lightning_version()
         self.trainer, self.pl_module = trainer, pl_module
+        self.partial = None
         if self.refused is not None:  # refused at setup, already said
             return
         why = setup_refusal(self.config, trainer, pl_module, self.owner) or optimizer_refusal(trainer)
@@ -219,6 +225,43 @@ class LightningStepRunner:
                 rank_zero_info(f"{self.owner}(fast_adam=True): the optimizer's own step is captured: "
                                f"{self.fast_adam.reason}")
         self._install(optimizer, pl_module)
+        if self.config.scope == "modules":
+            self._start_partial(None)
+        elif self.config.scope == "auto":
+            self.engine.fallback = self._start_partial
+
+    def _start_partial(self, err: Optional[CaptureError]) -> None:
+        """From the next step on, graph the submodules that capture around eager steps (the engine hands over)."""
+        if err is None:
+            reason = "scope='modules'"
+            rank_zero_info(f"{self.owner}(scope='modules'): the forward and backward of the submodules that capture "
+                           "are graphed after the warm-up; the rest of each step runs eagerly (stats.partial)")
+        else:
+            reason = f"the whole step does not capture: {str(err).splitlines()[0]}"
+            warnings.warn(f"{self.owner}(scope='auto'): {reason}. Training with partial graphs from the next step: "
+                          "the submodules that capture are graphed, the rest runs eagerly (stats.partial).",
+                          stacklevel=2)
+        self.engine.hand_over(reason)
+        self._grads = []
+        if err is None and self.prep is not None:
+            # The optimizer runs eagerly in every step of this tier: as you wrote it (no capturable preparation).
+            self.prep.restore()
+            self.prep, self.fast_adam = None, None
+            self.stats.optimizer_math = ""
+        # After the whole-step tier's warm-up (scope="auto") one eager step is enough to find the modules.
+        self.partial = PartialGraphs(self.pl_module, self.config, self.pl_module.device, backend=self.engine.backend,
+                                     generators=self.generators, stats=self.stats,
+                                     warmup_steps=None if err is None else 1)
+        self.partial.report.optimizer = (
+            "eager: zero-grad, clipping, the NaN guard and the optimizer step run eagerly every step"
+            + (", the optimizer as you wrote it" if self.prep is None else
+               ", the optimizer prepared as for whole-step graphs (its warm-up steps ran so)")
+            + " (the partial tier does not graph them yet)")
+        self._undo.callback(self._stop_partial)
+
+    def _stop_partial(self) -> None:
+        if self.partial is not None:
+            self.partial.close()  # kept (closed) after fit: eager_reason says graphs were used
 
     # ------------------------------------------------------------------------------------------
     # the engine's adapter (core.adapter.StepAdapter)
@@ -353,13 +396,15 @@ class LightningStepRunner:
             kw = kwargs if b is batch else OrderedDict(kwargs, batch=b)
             return self._recorded(lambda: orig_run(optimizer, batch_idx, kw), quiet)
 
-        out, values, token = self.engine.step(
-            batch,
-            key,
-            fn,
-            quiet_fn=lambda b: fn(b, quiet=True),
-            fresh_grads=fresh,
-        )
+        partial = self.partial
+        with partial.step() if partial is not None else contextlib.nullcontext():
+            out, values, token = self.engine.step(
+                batch,
+                key,
+                fn,
+                quiet_fn=lambda b: fn(b, quiet=True),
+                fresh_grads=fresh,
+            )
         logs.emit(token, values)
         self._steps += 1
         if self.nan is not None:

@@ -1,0 +1,367 @@
+"""The partial tier: graphs of the largest submodules that capture, when the whole step cannot be one graph.
+
+:class:`PartialGraphs` wraps the ``forward`` of every module of a tree (any ``nn.Module``; for Lightning, the
+``LightningModule``) and is told where each training step begins and ends (:meth:`PartialGraphs.step`). Framework
+free: it knows modules, not trainers.
+
+**Discovery.** The first ``warmup_steps`` steps run eagerly; every module call is counted and its input signature
+noted. Then the largest modules are tried first: a module called exactly once per step is a candidate unless an
+ancestor is one (a module the step never calls, or calls more than once, passes the question to its children). A
+candidate's next call is captured (:func:`~.graphed_module.capture_call`: forward and backward graphs, one memory
+pool). Where the capture raises (a host read, a CPU tensor made in the forward, a data-dependent shape), the module's
+reason is kept (the capture error with its file:line, :mod:`.errors`), its children become the candidates, and the
+module runs eagerly in that same call, so its children are tried right away: one step resolves the whole tree.
+The islands are the modules that failed and contain no graph, and the failed modules whose own code between graphed
+children failed (reported once: a failure whose line a smaller island already names is not repeated).
+
+**Guards**, before every step, as for whole-step graphs: the module tree's Python values (``training``, dropout
+``p``, ``requires_grad``: :class:`~.module_state.ModuleStateWatch`) drop every graph; a parameter or buffer of a
+graphed module at a new address drops that module's graphs (:func:`~.addresses.difference`). Per call: the input
+signature (structure, non-tensor values, shapes, dtypes, strides, which tensors require a gradient, grad mode,
+autocast) is the key of a graph; a new key gets one eager call, then a capture, bounded by ``max_graphs`` per
+module (``on_cache_full``). Generators registered with the tier advance with each replay, as the default one does.
+
+**Not graphed here:** the code outside modules (a loss computed in ``training_step``), the islands, and the
+optimizer side of the step (zero-grad, clipping, the optimizer step): they run eagerly, as written.
+
+**Coverage** (:class:`~.config.PartialStats`): the graphed modules, the islands with their reasons, the share of
+the step's modules inside graphs, and the share of its operators (as the dispatcher sees them: one eager step
+against one step whose graphs all replayed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Hashable, Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ._torch_compat import TorchDispatchMode, autocast_state
+from .addresses import difference
+from .backend import GraphBackend, default_backend
+from .buffers import flatten, signature_of
+from .config import CaptureConfig, CaptureStats, PartialStats
+from .errors import CaptureError, capture_error_from, root_cause
+from .graph_cache import GraphCache
+from .graphed_module import GraphedCall, ReplayTally, capture_call, module_tensors
+from .module_state import ModuleStateWatch
+from .rng import GeneratorRegistry
+
+__all__ = ["PartialGraphs"]
+
+# A module's place in the tier.
+_WATCH = "watch"  # warm-up: counted, its signatures noted, eager
+_EAGER = "eager"  # not graphed itself (never called, called more than once per step, or split): its children decide
+_CANDIDATE = "candidate"  # its next call of a known signature is captured
+_GRAPHED = "graphed"  # its calls replay its graphs
+_INSIDE = "inside"  # inside a graphed module: its calls are part of that module's graphs
+_SPLIT = "split"  # its capture failed: it runs eagerly, its children are candidates
+
+
+class _Node:
+    __slots__ = ("name", "module", "forward", "parent", "children", "calls", "per_step", "status", "reason",
+                 "location", "cache", "seen")
+
+    def __init__(self, name: str, module: nn.Module, parent: Optional[_Node], max_graphs: int) -> None:
+        self.name, self.module, self.parent = name, module, parent
+        self.forward: Any = None
+        self.children: list[_Node] = []
+        self.calls = 0  # this step
+        self.per_step = 0  # in the last warm-up step
+        self.status = _WATCH
+        self.reason: Optional[str] = None
+        self.location: Optional[str] = None
+        self.cache: GraphCache[GraphedCall] = GraphCache(max_graphs)
+        self.seen: set[Hashable] = set()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched outside graph replays (a graph's replay launches none of its own on CUDA; the
+    CPU stand-in's replay re-runs operators, which ``tally.inside`` tells apart)."""
+
+    def __init__(self, tally: ReplayTally) -> None:
+        super().__init__()
+        self.tally = tally
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if not self.tally.inside:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class PartialGraphs:
+    """Graphs of the largest capturable submodules of ``root``, found and kept current by the tier itself.
+
+    Args:
+        root: the module tree (its ``forward`` and every submodule's are wrapped until :meth:`close`).
+        config: the options (``warmup_steps``, ``max_graphs``, ``on_cache_full``).
+        warmup_steps: eager steps before the first captures (default ``config.warmup_steps``; at least 1: the calls
+            of one eager step are what discovery starts from).
+        device: the device the step runs on.
+        backend: the device interface (default: CUDA graphs, from ``config``).
+        generators: extra generators registered with every graph.
+        stats: the counters to report into (``stats.partial``).
+    """
+
+    def __init__(self, root: nn.Module, config: CaptureConfig, device: torch.device, *,
+                 backend: Optional[GraphBackend] = None, generators: Optional[GeneratorRegistry] = None,
+                 stats: Optional[CaptureStats] = None, warmup_steps: Optional[int] = None) -> None:
+        self.root = root
+        self.config = config
+        self.device = device
+        self.backend = default_backend(backend, config)
+        self.generators = generators or GeneratorRegistry(self.backend.device_type)
+        self.stats = stats or CaptureStats()
+        self.report = self.stats.partial = PartialStats()
+        self.tally = ReplayTally()
+        self.watch = ModuleStateWatch(root)
+        self.nodes: list[_Node] = []
+        self._warmup_left = max(1, config.warmup_steps if warmup_steps is None else warmup_steps)
+        self._in_step = False
+        self._capturing = 0
+        self._pool: Any = None
+        self._stream: Any = None
+        self._events = 0  # captures, failures and eager calls of graphed modules this step
+        self._counter: Optional[_OpCounter] = None
+        self._measure: Optional[str] = None
+        self._build(root)
+
+    # ------------------------------------------------------------------------------------------
+    # the module tree
+    # ------------------------------------------------------------------------------------------
+    def _build(self, root: nn.Module) -> None:
+        def visit(name: str, module: nn.Module, parent: Optional[_Node]) -> None:
+            node = _Node(name, module, parent, self.config.max_graphs)
+            if parent is not None:
+                parent.children.append(node)
+            if type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
+                node.forward = module.forward
+                module.forward = self._wrapper(node)  # an instance attribute: nn.Module.__call__ calls it
+            self.nodes.append(node)
+            if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: what it compiles stays one opaque call
+                return
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child, node)
+
+        visit("", root, None)
+
+    def _wrapper(self, node: _Node) -> Any:
+        call = self._call
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return call(node, args, kwargs)
+
+        forward.__wrapped__ = node.forward  # type: ignore[attr-defined]
+        return forward
+
+    def close(self) -> None:
+        """Give every module its own ``forward`` back and drop the graphs (idempotent)."""
+        for node in self.nodes:
+            if node.forward is not None and node.module.__dict__.get("forward") is not None:
+                del node.module.__dict__["forward"]
+            node.forward = None
+            node.cache.clear()
+        self.nodes = []
+
+    # ------------------------------------------------------------------------------------------
+    # the step
+    # ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one whole training step: guards before it, the tier's bookkeeping after it."""
+        warm = self._warmup_left > 0
+        if not warm:
+            if any(n.status == _WATCH for n in self.nodes):
+                self._assign(self.nodes[0])
+            self._guards()
+        for node in self.nodes:
+            node.calls = 0
+        self._events = 0
+        measure = "step" if self._warmup_left == 1 else ("outside" if self._measure == "outside" else None)
+        counter = _OpCounter(self.tally) if measure is not None else None
+        be = self.backend
+        if self._stream is None:
+            self._stream = be.side_stream(self.device)
+        # Warm-up steps run on the stream the graphs are captured on, as the whole-step tier's do: the libraries'
+        # per-stream state (cuBLAS workspaces) is then made before any capture, outside the graph pool.
+        cur = be.current_stream(self.device) if warm else None
+        self._in_step = True
+        try:
+            with contextlib.ExitStack() as stack:
+                if cur is not None:
+                    self._stream.wait_stream(cur)
+                    stack.callback(cur.wait_stream, self._stream)
+                    stack.enter_context(be.use_stream(self._stream))
+                if counter is not None:
+                    stack.enter_context(counter)
+                yield
+        finally:
+            self._in_step = False
+        if warm:
+            self._warmup_left -= 1
+            for node in self.nodes:
+                node.per_step = node.calls
+            if counter is not None:
+                self.report.ops_step = counter.count
+            self.report.modules_called = sum(1 for n in self.nodes if n.per_step)
+        elif counter is not None and self._events == 0:
+            self.report.ops_outside = counter.count
+            self._measure = None
+        if not warm and self._events:
+            self._measure = "outside"  # measured on the next step whose graphs all replay
+            self._summarize()
+        self.watch.rebase()  # what the step's own Python set is the state its graphs were captured with
+
+    def _assign(self, node: _Node) -> None:
+        """Make ``node`` a candidate if the step calls it exactly once, else pass the question to its children."""
+        if node.forward is not None and node.per_step == 1:
+            node.status = _CANDIDATE
+            for d in self._descendants(node):
+                d.status = _INSIDE
+            return
+        node.status = _EAGER
+        for child in node.children:
+            self._assign(child)
+
+    def _descendants(self, node: _Node) -> Iterator[_Node]:
+        for child in node.children:
+            yield child
+            yield from self._descendants(child)
+
+    def _guards(self) -> None:
+        why = self.watch.changed()
+        if why is not None:
+            self.invalidate(f"{why} (a replay runs no Python, so it would keep the captured value)")
+        moved = []
+        for node in self.nodes:
+            if not len(node.cache):
+                continue
+            now = {n: t.data_ptr() for n, t in module_tensors(node.module)}
+            for key in list(node.cache.keys()):
+                why = difference(node.cache.peek(key).state, False, now)
+                if why is not None:
+                    node.cache.pop(key)
+                    node.seen.discard(key)
+                    moved.append((node.name, why))
+        if moved:
+            self.stats.recaptures += len(moved)
+            warnings.warn(f"CUDA graphs of module '{moved[0][0]}' re-captured ({len(moved)} graphs): {moved[0][1]}",
+                          stacklevel=4)
+
+    def invalidate(self, reason: str) -> None:
+        """Drop every graph; each graphed module's next call of a signature runs eagerly, the one after captures."""
+        dropped = sum(len(n.cache) for n in self.nodes)
+        for node in self.nodes:
+            node.cache.clear()
+            node.seen.clear()
+        if dropped:
+            self.stats.recaptures += dropped
+            warnings.warn(f"CUDA graphs of modules re-captured: {reason}", stacklevel=4)
+
+    # ------------------------------------------------------------------------------------------
+    # one module call (hot path: a key, a lookup, a replay)
+    # ------------------------------------------------------------------------------------------
+    def _call(self, node: _Node, args: tuple, kwargs: dict) -> Any:
+        if not self._in_step or self._capturing:
+            return node.forward(*args, **kwargs)
+        node.calls += 1
+        status = node.status
+        if status is _EAGER or status is _INSIDE or status is _SPLIT:
+            return node.forward(*args, **kwargs)
+        leaves, spec = flatten((args, kwargs))
+        key = (signature_of(leaves, spec), tuple(t.requires_grad for t in leaves), torch.is_grad_enabled(),
+               autocast_state(self.backend.device_type))
+        if status is _WATCH:
+            node.seen.add(key)
+            return node.forward(*args, **kwargs)
+        entry = node.cache.get(key)
+        if entry is not None:
+            self.report.replays += 1
+            return entry(leaves)
+        if key not in node.seen:
+            # A new signature runs eagerly once (lazy state and library plans are made outside the graph pool).
+            node.seen.add(key)
+            self._eager_call("new-signature warm-up")
+            return node.forward(*args, **kwargs)
+        if node.cache.full():
+            if self.config.on_cache_full == "eager":
+                self._eager_call("graph cache full")
+                return node.forward(*args, **kwargs)
+            node.cache.evict_lru()
+        return self._capture(node, key, leaves, spec, args, kwargs)
+
+    def _eager_call(self, reason: str) -> None:
+        self._events += 1
+        calls = self.report.eager_calls
+        calls[reason] = calls.get(reason, 0) + 1
+
+    def _capture(self, node: _Node, key: Hashable, leaves: list, spec: Hashable, args: tuple, kwargs: dict) -> Any:
+        be = self.backend
+        self._events += 1
+        if self._pool is None or not any(len(n.cache) for n in self.nodes):
+            # A new pool once every graph is gone (torch refuses a capture into a pool whose graphs were destroyed).
+            self._pool = be.pool()
+        # A failed capture must leave the step as if it had not been tried: the generators' draws and the module's
+        # buffers (a backend that runs while it captures writes them) are put back before the eager call.
+        rng = (be.rng_state(self.device), self.generators.states())
+        buffers = [(b, b.clone()) for b in node.module.buffers()]
+        self._capturing += 1
+        try:
+            entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, self._pool, self._stream,
+                                 self.generators, be.device_type, self.tally)
+        except Exception as exc:  # noqa: BLE001 - every capture failure makes the module eager, with its reason
+            be.set_rng_state(rng[0], self.device)
+            self.generators.set_states(rng[1])
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            what = f"module '{node.name}'"
+            err = exc if isinstance(exc, CaptureError) else capture_error_from(root_cause(exc), what)
+            return self._failed(node, err, what, args, kwargs)
+        finally:
+            self._capturing -= 1
+        node.cache.put(key, entry)
+        if node.status is not _GRAPHED:
+            node.status = _GRAPHED
+        self.report.captures += 1
+        return entry(leaves)
+
+    def _failed(self, node: _Node, err: CaptureError, what: str, args: tuple, kwargs: dict) -> Any:
+        """``node`` cannot be a graph: it runs eagerly from now on, and its children are tried in this very call."""
+        node.status = _SPLIT
+        # "file:line: what it does there" (the capture error's first line, without its generic words)
+        node.reason = str(err).splitlines()[0].replace(f"cannot capture the training step into a CUDA graph ({what}): ",
+                                                       "")
+        node.location = err.location
+        node.cache.clear()
+        for child in node.children:
+            self._assign(child)
+        return node.forward(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # coverage
+    # ------------------------------------------------------------------------------------------
+    def _summarize(self) -> None:
+        rep = self.report
+        graphed = [n for n in self.nodes if n.status is _GRAPHED]
+        rep.graphed = [n.name for n in graphed]
+        inside = {id(d) for n in graphed for d in self._descendants(n)} | {id(n) for n in graphed}
+        rep.modules_graphed = sum(1 for n in self.nodes if n.per_step and id(n) in inside)
+        islands: dict[str, str] = {}
+        for node in self.nodes:
+            if node.status is not _SPLIT:
+                continue
+            below = list(self._descendants(node))
+            split_below = [d for d in below if d.status is _SPLIT]
+            # One island per line: a failure whose line a smaller island names is that island's.
+            if node.location is not None and any(d.location == node.location for d in split_below):
+                continue
+            if split_below or any(d.status is _GRAPHED for d in below):
+                islands[node.name] = f"its own code (not its submodules): {node.reason}"
+            else:
+                islands[node.name] = node.reason or ""
+        rep.islands = islands

@@ -1,0 +1,133 @@
+"""Partial graphs on CUDA: a step that cannot be one graph still trains with graphs of its submodules.
+
+Two cases, each bitwise equal to its eager reference in one process, with the coverage in ``stats.partial``:
+
+* an HF Llama whose decoder layer 1 is wrapped in a user's module that asks the host about the hidden states
+  (``if x.abs().max() > 100``), ``scope="modules"``: the embedding, the other layers, the layer inside the check, the
+  final norm, the rotary embedding and the head are graphs; the check is the island, at its line. The optimizer is
+  the user's own (the reference is the plain eager run with the graph-safe attention the callback switches to);
+* a loss function that calls ``.item()``, ``scope="auto"``: the whole step's sync check fails at that line, the partial
+  tier takes over and graphs the whole model; the reference prepares the optimizer as the whole-step tier did.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from _lightning_utils import CapturableEager
+from hf_models import HFCausalLM, TokenBatches, llama
+from torch import nn
+from torch.utils.data import DataLoader
+
+from nemo_cudagraph_plugin import CudaGraphCallback
+from nemo_cudagraph_plugin.hf import graph_safe_attention
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 12
+SIZE = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4}
+BATCH, SEQ = 4, 128
+
+
+class HostCheck(nn.Module):
+    """A user's module around a decoder layer that asks the host about the hidden states."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if hidden_states.abs().max() > 100:  # HOST-READ
+            hidden_states = hidden_states.clamp(-100, 100)
+        return self.inner(hidden_states, *args, **kwargs)
+
+
+def _guard_layer(model) -> None:
+    model.model.layers[1] = HostCheck(model.model.layers[1])
+
+
+def _guard_layer_graph_safe(model) -> None:  # the eager reference: the attention the callback switches to
+    _guard_layer(model)
+    graph_safe_attention(model)
+
+
+SEEN: list[float] = []
+
+
+def item_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+    SEEN.append(loss.item())  # LOSS-ITEM
+    return loss
+
+
+class ItemLossLM(HFCausalLM):
+    def training_step(self, batch, batch_idx):
+        loss = item_loss(self.model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
+        self.log("train_loss", loss)
+        return loss
+
+
+class _Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().float().clone())
+
+
+def _fit(module: pl.LightningModule, callbacks: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    rec = _Losses()
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=STEPS, callbacks=[*callbacks, rec], logger=False,
+                         precision="bf16-mixed", enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(TokenBatches(STEPS, batch=BATCH, seq=SEQ), batch_size=None))
+    return torch.stack(rec.losses).cpu(), [p.detach().clone() for p in module.parameters()]
+
+
+def _line(fn, text: str) -> str:
+    lines, start = inspect.getsourcelines(fn)
+    return f"{inspect.getsourcefile(fn)}:{start + next(i for i, s in enumerate(lines) if text in s)}"
+
+
+def test_llama_with_a_host_reading_module_trains_with_partial_graphs_bitwise():
+    pl.seed_everything(0, verbose=False)
+    eager_losses, eager_params = _fit(HFCausalLM(llama(**SIZE), prepare=_guard_layer_graph_safe), [])
+    pl.seed_everything(0, verbose=False)
+    cb = CudaGraphCallback(scope="modules")
+    losses, params = _fit(HFCausalLM(llama(**SIZE), prepare=_guard_layer), [cb])
+    rep = cb.stats.partial
+    print(cb.stats.summary())
+    assert rep.graphed == ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1.inner",
+                           "model.model.layers.2", "model.model.layers.3", "model.model.norm", "model.model.rotary_emb",
+                           "model.lm_head"]
+    assert list(rep.islands) == ["model.model.layers.1"]
+    assert _line(HostCheck.forward, "HOST-READ") + ": a host synchronisation" in rep.islands["model.model.layers.1"]
+    assert rep.replays >= (STEPS - 4) * len(rep.graphed) and rep.op_coverage is not None and rep.op_coverage > 0.5
+    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_loss_calling_item_scope_auto_graphs_the_whole_model_bitwise():
+    SEEN.clear()
+    pl.seed_everything(0, verbose=False)
+    eager_losses, eager_params = _fit(ItemLossLM(llama(**SIZE), prepare=graph_safe_attention), [CapturableEager()])
+    eager_seen = list(SEEN)
+    SEEN.clear()
+    pl.seed_everything(0, verbose=False)
+    cb = CudaGraphCallback(scope="auto")
+    losses, params = _fit(ItemLossLM(llama(**SIZE)), [cb])
+    rep = cb.stats.partial
+    print(cb.stats.summary())
+    assert rep is not None and rep.graphed == ["model"] and rep.islands == {}
+    assert cb.stats.eager_reasons.get("partial graphs", 0) > 0 and rep.replays >= STEPS - 5
+    assert rep.modules_graphed == rep.modules_called
+    assert SEEN == eager_seen  # the .item() outside the graphs runs every step
+    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))

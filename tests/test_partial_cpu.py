@@ -1,0 +1,471 @@
+"""The partial tier on CPU (``scope="modules"``/``"auto"``), with ``tests/_tape.py``'s stand-in for CUDA graphs.
+
+Discovery (the largest modules that capture around a module or a loss that reads the host), the autograd wiring
+(forward and backward graphs behind one ``autograd.Function``: losses, gradients and parameters equal to eager bit
+for bit over several steps, ``.grad`` accumulated as eager does), the guards (a new input shape, train/eval, a moved
+parameter, ``max_graphs``), the coverage and the islands' reasons in ``stats``, and the option's errors. The tape
+re-runs the operators it recorded, so a graphed step computes exactly what the eager one does: bitwise is expected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+
+import pytest
+import torch
+from _tape import TapeBackend
+from torch import nn
+
+import nemo_cudagraph_plugin
+from nemo_cudagraph_plugin import CaptureConfig, CaptureError, CudaGraphCallback
+from nemo_cudagraph_plugin.core.partial import PartialGraphs
+
+cpu = torch.device("cpu")
+
+
+def _line(fn, text: str) -> str:
+    """``file:line`` of the line of ``fn``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    return f"{inspect.getsourcefile(fn)}:{start + next(i for i, s in enumerate(lines) if text in s)}"
+
+
+class Guard(nn.Module):
+    """Reads the host: no graph can hold this module."""
+
+    def forward(self, x):
+        if x.abs().max() > 100:  # HOST-READ
+            x = x.clamp(-100, 100)
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, dropout=0.1):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.drop(self.act(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, guard=True, dropout=0.1):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.b0 = Block(dropout)
+        self.guard = Guard() if guard else nn.Identity()
+        self.b1 = Block(dropout)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.b1(self.guard(self.b0(self.inp(x)))))
+
+
+class Glue(nn.Module):
+    """Its own code reads the host between two children that capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+
+    def forward(self, x):
+        x = self.a(x)
+        if bool((x > 50).any()):  # GLUE-READ
+            x = x * 0.5
+        return self.b(x)
+
+
+class ItemLoss(nn.Module):
+    """A loss that logs its value with ``.item()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[float] = []
+
+    def forward(self, pred, y):
+        loss = (pred - y).pow(2).mean()
+        self.seen.append(loss.item())  # ITEM-READ
+        return loss
+
+
+class WithLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = Net(guard=False)
+        self.loss = ItemLoss()
+
+    def forward(self, x, y):
+        return self.loss(self.model(x), y)
+
+
+class Scaled(nn.Module):
+    """A float, a ``None``, and a tensor that needs no gradient among the arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask, scale: float = 1.0, bias=None):
+        y = self.fc(x) * scale * mask
+        return y if bias is None else y + bias
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.mid = Scaled()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        mask = (x[:, :1] > 0).to(x.dtype)  # no gradient
+        return self.out(self.mid(self.inp(x), mask, scale=0.5))
+
+
+def batches(n, rows=(5,), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows[i % len(rows)], 4, generator=g), torch.randn(rows[i % len(rows)], 1, generator=g))
+            for i in range(n)]
+
+
+def train(make, data, graphed, between=None, zero_every=1, loss_in_model=False, **cfg):
+    """Per-step losses, gradients and the final parameters of an AdamW training loop; the tier when graphed."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=2.0**-6)
+    cfg.setdefault("warmup_steps", 2)
+    tier = PartialGraphs(model, CaptureConfig(**cfg), cpu, backend=TapeBackend()) if graphed else None
+    losses, grads = [], []
+    for i, (x, y) in enumerate(data):
+        if between is not None:
+            between(i, model)
+        with tier.step() if tier is not None else contextlib.nullcontext():
+            if i % zero_every == 0:
+                opt.zero_grad()
+            loss = model(x, y) if loss_in_model else (model(x) - y).pow(2).mean()
+            loss.backward()
+            if (i + 1) % zero_every == 0:
+                opt.step()
+        losses.append(loss.detach())
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+    return losses, grads, [p.detach().clone() for p in model.parameters()], tier, model
+
+
+def assert_bitwise(g, e):
+    lg, gg, pg = g[:3]
+    le, ge, pe = e[:3]
+    assert [float(a) for a in lg] == [float(b) for b in le], "losses differ from eager"
+    for step, (a, b) in enumerate(zip(gg, ge)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert (x is None) == (y is None), f"step {step}: parameter {i} has a gradient in one run only"
+            assert x is None or torch.equal(x, y), f"step {step}: gradient of parameter {i} differs from eager"
+    assert all(torch.equal(a, b) for a, b in zip(pg, pe)), "parameters differ from eager"
+
+
+def both(make, data, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train(make, data, True, **kw), train(make, data, False, **{k: v for k, v in kw.items()
+                                                                          if k in ("between", "zero_every",
+                                                                                   "loss_in_model")})
+
+
+def test_runs_this_checkout():
+    assert nemo_cudagraph_plugin.__file__.startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# discovery
+# ----------------------------------------------------------------------------------------------------------------------
+def test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host():
+    g, e = both(Net, batches(8))
+    tier = g[3]
+    rep = tier.report
+    assert rep.graphed == ["inp", "b0", "b1", "out"]  # the root failed; every child but the guard captured whole
+    assert list(rep.islands) == ["guard"]
+    assert rep.islands["guard"].startswith(_line(Guard.forward, "HOST-READ") + ": a host synchronisation")
+    assert_bitwise(g, e)
+
+
+def test_a_module_whose_own_code_reads_the_host_keeps_its_children_graphed():
+    g, e = both(lambda: nn.Sequential(nn.Linear(4, 8), Glue(), nn.Linear(8, 1)), batches(6))
+    rep = g[3].report
+    assert rep.graphed == ["0", "1.a", "1.b", "2"]
+    assert list(rep.islands) == ["1"]
+    assert rep.islands["1"] == ("its own code (not its submodules): " + _line(Glue.forward, "GLUE-READ")
+                                + rep.islands["1"].split(_line(Glue.forward, "GLUE-READ"))[1])
+    assert "host synchronisation" in rep.islands["1"]
+    assert_bitwise(g, e)
+
+
+def test_a_loss_module_calling_item_is_an_island_and_the_model_is_one_graph():
+    g, e = both(WithLoss, batches(6), loss_in_model=True)
+    rep = g[3].report
+    assert rep.graphed == ["model"]
+    assert list(rep.islands) == ["loss"]
+    assert rep.islands["loss"].startswith(_line(ItemLoss.forward, "ITEM-READ") + ":")
+    assert g[4].loss.seen == e[4].loss.seen  # the island runs every step, its .item() included
+    assert_bitwise(g, e)
+
+
+def test_a_loss_function_calling_item_outside_modules_leaves_the_whole_model_graphed():
+    seen = []
+
+    def make():
+        return Net(guard=False)
+
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=2.0**-6)
+    tier = PartialGraphs(model, CaptureConfig(warmup_steps=1), cpu, backend=TapeBackend())
+    losses = []
+    for x, y in batches(5):
+        with tier.step():
+            opt.zero_grad()
+            loss = (model(x) - y).pow(2).mean()
+            seen.append(loss.item())
+            loss.backward()
+            opt.step()
+        losses.append(float(loss.detach()))
+    assert tier.report.graphed == [""] and tier.report.islands == {}
+    assert tier.report.modules_graphed == tier.report.modules_called
+    e = train(make, batches(5), False)
+    assert losses == [float(v) for v in e[0]] == seen
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the autograd wiring
+# ----------------------------------------------------------------------------------------------------------------------
+def test_gradients_accumulate_into_grad_as_in_eager_training():
+    # zero_grad every other step: the second backward adds into .grad (graph memory must never become a .grad)
+    g, e = both(Net, batches(8), zero_every=2)
+    assert g[3].report.replays > 0
+    assert_bitwise(g, e)
+
+
+def test_inputs_without_gradient_and_non_tensor_arguments():
+    g, e = both(Masked, batches(6))
+    assert g[3].report.graphed == [""]
+    assert_bitwise(g, e)
+
+
+def test_outputs_are_copies_that_later_replays_do_not_overwrite():
+    torch.manual_seed(0)
+    model = Net(guard=False, dropout=0.0)
+    tier = PartialGraphs(model, CaptureConfig(warmup_steps=1), cpu, backend=TapeBackend())
+    kept = []
+    for x, _ in batches(5):
+        with tier.step():
+            kept.append(model(x))
+    assert tier.report.graphed == [""] and tier.report.replays > 0
+    with torch.no_grad():
+        expected = [model(x) for x, _ in batches(5)]  # outside a step: the module's own forward
+    assert all(torch.equal(a, e) for a, e in zip(kept, expected))
+
+
+def test_close_gives_every_module_its_forward_back():
+    model = Net()
+    tier = PartialGraphs(model, CaptureConfig(warmup_steps=1), cpu, backend=TapeBackend())
+    assert "forward" in model.b0.__dict__
+    tier.close()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# guards
+# ----------------------------------------------------------------------------------------------------------------------
+def test_a_new_input_shape_is_a_new_capture():
+    g, e = both(Net, batches(9, rows=(5, 7)))
+    rep = g[3].report
+    assert rep.captures == 2 * len(rep.graphed)  # one per shape and module
+    assert_bitwise(g, e)
+
+
+def test_train_eval_change_recaptures():
+    def flip(i, model):
+        if i == 5:
+            model.b0.eval()  # its dropout stops dropping: the graph baked in training=True
+        if i == 7:
+            model.b0.train()
+
+    with pytest.warns(UserWarning, match="re-captured: b0.training changed"):
+        g = train(Net, batches(10), True, between=flip)
+    e = train(Net, batches(10), False, between=flip)
+    assert_bitwise(g, e)
+
+
+def test_a_moved_parameter_recaptures():
+    def move(i, model):
+        if i == 5:
+            model.b1.fc.weight.data = model.b1.fc.weight.data.clone()
+
+    with pytest.warns(UserWarning, match="module 'b1' re-captured .*'fc.weight' was re-allocated"):
+        g = train(Net, batches(9), True, between=move)
+    e = train(Net, batches(9), False, between=move)
+    assert_bitwise(g, e)
+
+
+def test_max_graphs_bounds_the_graphs_per_module():
+    g, e = both(Net, batches(9, rows=(5, 7)), max_graphs=1)
+    rep = g[3].report
+    assert rep.captures == len(rep.graphed) and rep.eager_calls["graph cache full"] > 0
+    assert_bitwise(g, e)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# coverage and options
+# ----------------------------------------------------------------------------------------------------------------------
+def test_coverage_in_stats():
+    g, _ = both(Net, batches(6))
+    rep = g[3].report
+    assert g[3].stats.partial is rep
+    assert rep.modules_called == 12 and rep.modules_graphed == 10  # all but the root and the guard
+    assert rep.ops_step > rep.ops_outside > 0 and 0 < rep.op_coverage < 1
+    text = g[3].stats.summary()
+    assert "partial graphs: 4 graphed modules (inp, b0, b1, out)" in text and "islands: guard: " in text
+
+
+def test_scope_errors_name_the_class_and_argument():
+    with pytest.raises(ValueError, match=r"CudaGraphCallback\(scope='partial'\) is invalid: use 'step'"):
+        CudaGraphCallback(scope="partial")
+    with pytest.raises(ValueError, match=r"CaptureConfig\(scope=None\) is invalid"):
+        CaptureConfig(scope=None)
+    assert CaptureConfig().scope == "step"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Lightning
+# ----------------------------------------------------------------------------------------------------------------------
+def _lightning():
+    pytest.importorskip("lightning")
+    import test_lightning_cpu as lt
+
+    return lt
+
+
+class _GuardedGPT:
+    """recipes.gpt's module with a host-reading module applied to its logits."""
+
+    @staticmethod
+    def make(lt):
+        class GuardedGPT(lt.TinyGPT):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.guard = Guard()
+
+            def forward(self, ids):
+                return self.guard(self.model(ids))
+
+        return GuardedGPT
+
+
+def _fit(lt, module_cls, graphed, cb_kw=None, steps=10):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    pl.seed_everything(0, verbose=False)
+    module = module_cls()
+    cb = None
+    cbs = []
+    if graphed:
+        cb = CudaGraphCallback(**(cb_kw or {}))
+        cb.step_runner.backend = TapeBackend()
+        cbs.append(cb)
+    rec = lt.Rec()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[*cbs, rec], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, max_epochs=2)
+    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps), batch_size=2))
+    return lt.Run(trainer, rec, cb, module)
+
+
+@pytest.mark.lightning_adapter
+@pytest.mark.parametrize("scope", ["modules", "auto"])
+def test_lightning_partial_graphs_equal_eager(scope):
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, cls, True, {"scope": scope, "nan_guard": False})
+    e = _fit(lt, cls, False)
+    lt.assert_same(g, e)
+    rep = g.stats.partial
+    assert rep is not None and rep.graphed == ["model"] and list(rep.islands) == ["guard"]
+    assert rep.replays > 0 and g.cb.eager_reason is None
+    assert g.stats.eager_reasons.get("partial graphs", 0) > 0 and g.stats.replays == 0
+    assert "partial graphs:" in g.stats.summary()
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_scope_step_still_refuses_the_host_read():
+    lt = _lightning()
+    with pytest.raises(CaptureError, match="HOST-READ|host synchronisation"):
+        _fit(lt, _GuardedGPT.make(lt), True, {"nan_guard": False})
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_auto_keeps_whole_step_graphs_where_the_step_captures():
+    lt = _lightning()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, lt.TinyGPT, True, {"scope": "auto", "nan_guard": False})
+    assert g.stats.partial is None and g.stats.replays > 0
+
+
+class HostCheck(nn.Module):
+    """A user's module around a decoder layer that asks the host about the hidden states."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if hidden_states.abs().max() > 100:  # LLAMA-READ
+            hidden_states = hidden_states.clamp(-100, 100)
+        return self.inner(hidden_states, *args, **kwargs)
+
+
+def guard_layer(model):
+    """Put a :class:`HostCheck` around decoder layer 1 of an HF causal LM."""
+    model.model.layers[1] = HostCheck(model.model.layers[1])
+
+
+def guard_mlp(model):
+    """Put a :class:`HostCheck` around the MLP of decoder layer 1: the island splits the layer's residual stream."""
+    layer = model.model.layers[1]
+    layer.mlp = HostCheck(layer.mlp)
+
+
+@pytest.mark.lightning_adapter
+def test_hf_llama_with_a_host_reading_module_graphs_everything_else():
+    hf = pytest.importorskip("test_hf_cpu")
+    eager_module, eager, _ = hf.fit(hf.llama(), graphed=False, prepare=guard_layer)
+    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"}, prepare=guard_layer)
+    assert graphed == eager
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), eager_module.parameters()))
+    rep = cb.stats.partial
+    # the model failed (the check is inside it): its embedding, layer 0, the layer inside the check, the final norm,
+    # the rotary embedding and the head are graphs; the check is the one island (the model's failure is its line)
+    assert rep.graphed == ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1.inner",
+                           "model.model.norm", "model.model.rotary_emb", "model.lm_head"]
+    assert list(rep.islands) == ["model.model.layers.1"]
+    assert rep.islands["model.model.layers.1"].startswith(
+        "its own code (not its submodules): " + _line(HostCheck.forward, "LLAMA-READ") + ": a host synchronisation")
+    assert rep.replays > 0 and rep.modules_graphed == rep.modules_called - 3  # the CausalLM, its model, the check
+
+
+@pytest.mark.lightning_adapter
+def test_an_island_inside_a_residual_block_changes_only_the_order_of_one_gradient_sum():
+    """The MLP's check splits layer 1: the residual stream's gradient there is a sum of the skip connection's part
+    and the graphed norm's two parts, which the norm's backward graph adds first. The same numbers added in another
+    order: the last bits may differ (no ulp-exact claim where an island splits a tensor's uses)."""
+    hf = pytest.importorskip("test_hf_cpu")
+    _, eager, _ = hf.fit(hf.llama(), graphed=False, prepare=guard_mlp)
+    _, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"}, prepare=guard_mlp)
+    assert list(cb.stats.partial.islands) == ["model.model.layers.1.mlp"]
+    assert "model.model.layers.1.mlp.inner" in cb.stats.partial.graphed
+    assert graphed == pytest.approx(eager, rel=1e-6)
