@@ -1224,12 +1224,17 @@ MUTANTS: list[Mutant] = [
            "            copy_all(fresh, self.outs)\n        return list(self.outs)",
            (PT + "test_outputs_are_copies_that_later_replays_do_not_overwrite",),
            "a graphed module returns its static outputs: a kept output changes on the next replay"),
-    Mutant("partial-backward-first-replay-skipped", "cpu", GMOD,
-           "        bwd.replay()\n",
+    Mutant("partial-backward-failure-not-reported", "cpu", PARTIAL,
+           "        entry.on_failure = lambda exc: self._backward_failed(node, exc)\n",
            "",
+           (PT + "test_a_backward_that_reads_the_host_makes_an_island_after_its_eager_gradients",),
+           "a module whose backward does not capture stays graphed: every step's backward retries the capture"),
+    Mutant("partial-inputs-copied-with-a-version-bump", "cpu", GMOD,
+           "        self._input_data = [t.data for t in inputs]",
+           "        self._input_data = list(inputs)",
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
-           "the replay a backend makes right after the backward's capture is left for the call's own backward: on "
-           "a backend that runs while it captures, that backward returns the capture's gradients"),
+           "the inputs are copied into the static tensors the capture's autograd graph saved: the backward's capture "
+           "finds them modified in place and no module stays a graph"),
 ]
 
 

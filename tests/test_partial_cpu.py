@@ -267,6 +267,41 @@ def test_outputs_are_copies_that_later_replays_do_not_overwrite():
     assert all(torch.equal(a, e) for a, e in zip(kept, expected))
 
 
+class _ClipGrad(torch.autograd.Function):
+    """Identity forward; a backward that asks the host whether to clip."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g.abs().max() > 1e6:  # BACKWARD-READ
+            g = g.clamp(-1e6, 1e6)
+        return g
+
+
+class ClipBlock(Block):
+    def forward(self, x):
+        return _ClipGrad.apply(super().forward(x))
+
+
+def test_a_backward_that_reads_the_host_makes_an_island_after_its_eager_gradients():
+    def make():
+        net = Net(guard=False)
+        net.b1 = ClipBlock()
+        return net
+
+    g, e = both(make, batches(8))
+    rep = g[3].report
+    # The whole model's forward captured; its backward did not: that step's gradients came eagerly from the
+    # capture's autograd graph, then the children were tried; the block's own backward is the island.
+    assert rep.graphed == ["inp", "b0", "guard", "b1.fc", "b1.act", "b1.drop", "out"]
+    assert list(rep.islands) == ["b1"]
+    assert _line(_ClipGrad.backward, "BACKWARD-READ") + ": a host synchronisation" in rep.islands["b1"]
+    assert_bitwise(g, e)
+
+
 def test_close_gives_every_module_its_forward_back():
     model = Net()
     tier = PartialGraphs(model, CaptureConfig(warmup_steps=1), cpu, backend=TapeBackend())
@@ -363,14 +398,14 @@ class _GuardedGPT:
         return GuardedGPT
 
 
-def _fit(lt, module_cls, graphed, cb_kw=None, steps=10):
+def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=()):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     pl.seed_everything(0, verbose=False)
     module = module_cls()
     cb = None
-    cbs = []
+    cbs = list(callbacks)
     if graphed:
         cb = CudaGraphCallback(**(cb_kw or {}))
         cb.step_runner.backend = TapeBackend()
@@ -398,6 +433,33 @@ def test_lightning_partial_graphs_equal_eager(scope):
     assert rep.replays > 0 and g.cb.eager_reason is None
     assert g.stats.eager_reasons.get("partial graphs", 0) > 0 and g.stats.replays == 0
     assert "partial graphs:" in g.stats.summary()
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_follow_module_state_changes_every_step():
+    """A submodule put in eval() and back every other step: each change re-captures the modules' graphs (the
+    whole-step tier refuses a state changed this often, counting its own replays; the partial tier follows it)."""
+    import lightning.pytorch as pl
+
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+
+    class Flip(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx >= 4 and batch_idx % 2 == 0:
+                pl_module.model.blocks[0].train(batch_idx % 4 == 2)
+
+    kw = {"dropout": 0.1}
+
+    def make():
+        return cls(**kw)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, make, True, {"scope": "modules", "nan_guard": False}, steps=14, callbacks=[Flip()])
+    e = _fit(lt, make, False, steps=14, callbacks=[Flip()])
+    lt.assert_same(g, e)
+    assert g.stats.recaptures > 0 and g.stats.partial.graphed == ["model"]
 
 
 @pytest.mark.lightning_adapter

@@ -113,9 +113,16 @@ class CudaBackend(GraphBackend):
 
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any, stream: Any) -> Iterator[None]:
-        # thread_local: other threads (a dataloader's pin-memory thread) may keep using CUDA.
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            yield
+        prev = torch.cuda.current_stream()
+        try:
+            # thread_local: other threads (a dataloader's pin-memory thread) may keep using CUDA.
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                yield
+        finally:
+            # A capture that fails leaves torch.cuda.graph's stream current (capture_end raises before it is
+            # restored): the eager code after it must run where it would have.
+            if torch.cuda.current_stream() != prev:
+                torch.cuda.set_stream(prev)
 
     def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
         if self.memsets_kept is not None and self.io_kept is not None:

@@ -1,9 +1,11 @@
 """One module call's forward and backward as two graphs behind an ``autograd.Function``: the partial tier's unit.
 
-:func:`capture_call` captures a module's forward for one input signature into a forward graph and, where anything
-needs a gradient, the backward of that forward (``torch.autograd.grad`` of the outputs with respect to the inputs
-that require a gradient and the module's own trainable parameters) into a backward graph, both in the memory pool of
-the caller, as ``torch.cuda.make_graphed_callables`` does. :class:`GraphedCall` replays them:
+:func:`capture_call` captures a module's forward for one input signature into a forward graph; where anything
+needs a gradient, the first backward of the call captures the backward of that forward (``torch.autograd.grad`` of
+the outputs with respect to the inputs that require a gradient and the module's own trainable parameters, on the
+autograd graph the forward's capture built) into a backward graph, both in the memory pool of the caller, as
+``torch.cuda.make_graphed_callables`` does (which captures both up front, with gradients it makes up).
+:class:`GraphedCall` replays them:
 
 * forward (:class:`_Replay.forward`): the call's tensors are copied into the static input buffers (those already
   at that address are not), the forward graph replays, and the outputs are returned as copies in fresh memory (the
@@ -53,37 +55,52 @@ class ReplayTally:
 class GraphedCall:
     """The forward graph and backward graph of one module for one input signature.
 
+    The forward graph is captured by :func:`capture_call`; the backward graph by the first backward of a call, when
+    the gradients of the outputs exist (so a backend's first replay after a capture computes real numbers, as for
+    the forward). A backward that cannot be captured gets its gradients eagerly from the autograd graph the forward's
+    capture built (it holds that call's activations) and reports the error (``on_failure``).
+
     Attributes:
         state: ``name -> data_ptr`` of the module's parameters and buffers at capture (the graphs address them).
         keep: their storages: the memory the graphs address stays valid while this object lives.
+        on_failure: called with the exception of a backward capture that failed (the module is then not graphed).
     """
 
-    def __init__(self, fwd: Any, bwd: Any, inputs: list[Tensor], params: tuple[Tensor, ...], out_spec: Hashable,
-                 outs: list[Tensor], diff: list[bool], grad_outs: list[Tensor], grad_ins: tuple[Optional[Tensor], ...],
-                 autograd_graph: list[Tensor], state: dict[str, int], keep: list[Any], tally: ReplayTally) -> None:
-        self.fwd, self.bwd = fwd, bwd
+    def __init__(self, name: str, fwd: Any, inputs: list[Tensor], params: tuple[Tensor, ...], out_spec: Hashable,
+                 outs: list[Tensor], diff: list[bool], state: dict[str, int], keep: list[Any], tally: ReplayTally,
+                 new_graph: Callable[[], Any], capture: Callable[[Any], Any], finish: Callable[[Any], Any]) -> None:
+        self.name = name
+        self.fwd: Any = fwd
+        self.bwd: Any = None
         self.inputs, self.params = inputs, params
+        # Copies go into aliases with their own version counter: the autograd graph of the capture, which the
+        # backward's capture runs, saved the static inputs and must find them unchanged.
+        self._input_data = [t.data for t in inputs]
         self.outs, self.diff = outs, diff
-        self.grad_outs = grad_outs
-        # Kept here, so autograd's accumulation sees a tensor someone else holds and copies it (never adopts it).
-        self.grad_ins = grad_ins
-        self._autograd_graph = autograd_graph  # the outputs of the capture: their grad_fn keeps the activations
+        self.grad_outs: list[Optional[Tensor]] = [torch.empty_like(o) if d else None for o, d in zip(outs, diff)]
+        self.grad_ins: tuple[Optional[Tensor], ...] = ()
         self.state, self.keep = state, keep
         self.tally = tally
+        self.on_failure: Callable[[BaseException], None] = lambda exc: None
+        self._new_graph, self._capture, self._finish = new_graph, capture, finish
         self._build = unflattener(out_spec)
+
+    @property
+    def needs_grad(self) -> bool:
+        return any(self.diff)
 
     def __call__(self, leaves: Sequence[Tensor]) -> Any:
         """The module's outputs for the call whose tensor arguments are ``leaves`` (hot path)."""
-        if self.bwd is None:
+        if not self.needs_grad:
             with torch.no_grad():
                 return self._build(self.forward(leaves))
         return self._build(list(_Replay.apply(self, *leaves, *self.params)))
 
     def forward(self, leaves: Sequence[Tensor]) -> list[Tensor]:
         """Copy the inputs in, replay the forward graph, return the outputs in fresh memory."""
-        dst = [s for s, t in zip(self.inputs, leaves) if s.data_ptr() != t.data_ptr()]
-        if dst:
-            copy_all(dst, [t for s, t in zip(self.inputs, leaves) if s.data_ptr() != t.data_ptr()])
+        pairs = [(d, t) for d, t in zip(self._input_data, leaves) if d.data_ptr() != t.data_ptr()]
+        if pairs:
+            copy_all([d for d, _ in pairs], [t for _, t in pairs])
         self._replay(self.fwd)
         fresh = [torch.empty_like(o) for o in self.outs]
         if fresh:
@@ -92,11 +109,37 @@ class GraphedCall:
 
     def backward(self, grads: Sequence[Optional[Tensor]]) -> tuple[Optional[Tensor], ...]:
         """Copy the output gradients in, replay the backward graph; the inputs' and parameters' gradients."""
-        for buf, g, d in zip(self.grad_outs, grads, self.diff):
-            if d and buf.data_ptr() != g.data_ptr():
+        for buf, g in zip(self.grad_outs, grads):
+            if buf is not None and g is not None and buf.data_ptr() != g.data_ptr():
                 buf.copy_(g)
+        if self.bwd is None:
+            graph = self._new_graph()
+            try:
+                with self._capture(graph):
+                    got = self._grads()
+                self._finish(graph)
+            except Exception as exc:  # noqa: BLE001 - reported; this call's gradients are computed eagerly
+                self.on_failure(exc)
+                return self._slots(self._grads())
+            self.bwd = graph
+            # Kept here, so autograd's accumulation sees tensors someone else holds and copies them (never adopts
+            # the graph's memory as a .grad, which the next replay would overwrite).
+            self.grad_ins = tuple(None if g is None else g.detach() for g in self._slots(got))
         self._replay(self.bwd)
         return self.grad_ins
+
+    def _grads(self) -> tuple[Optional[Tensor], ...]:
+        """The backward of the capture's autograd graph, run (or recorded) once more; it stays for the next time."""
+        wrt = [s for s in self.inputs if s.requires_grad] + list(self.params)
+        return torch.autograd.grad([o for o, d in zip(self.outs, self.diff) if d], wrt,
+                                   grad_outputs=[g for g in self.grad_outs if g is not None],
+                                   retain_graph=True, allow_unused=True)
+
+    def _slots(self, got: Sequence[Optional[Tensor]]) -> tuple[Optional[Tensor], ...]:
+        """One gradient per input of :class:`_Replay` (``None`` for an input that needs none)."""
+        it = iter(got)
+        return tuple(next(it) if needs else None
+                     for needs in [s.requires_grad for s in self.inputs] + [True] * len(self.params))
 
     def _replay(self, graph: Any) -> None:
         tally = self.tally
@@ -155,7 +198,7 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
     before = [(n, t.data_ptr()) for n, t in module_tensors(module)]
     versions = [s._version for s in static]
     fwd = backend.new_graph()
-    generators.apply(fwd)
+    generators.apply(fwd)  # the default generator is the backend's; dropout draws anew every replay
     # Autocast's cache of cast weights would hand the graph a tensor of the eager step (freed later) or keep one of
     # the graph's pool for eager code: casts inside the graph are its own.
     with autocast_cache_disabled(), backend.capture(fwd, pool, stream):
@@ -172,31 +215,20 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
         raise CaptureError(f"module '{name}' re-allocates '{moved}' in its forward; a graph would keep the old memory",
                            rule="reallocation")
     diff = [grad and o.requires_grad for o in outs]
-    wrt = [s for s in static if s.requires_grad] + list(params)
-    bwd = None
-    grad_outs = [torch.empty_like(o) for o in outs]
-    grad_ins: list[Optional[Tensor]] = [None] * len(static)
-    if any(diff) and wrt:
-        _check_leaves(name, [o for o, d in zip(outs, diff) if d], wrt)
-        bwd = backend.new_graph()
-        generators.apply(bwd)
-        with backend.capture(bwd, pool, stream):
-            got = torch.autograd.grad([o for o, d in zip(outs, diff) if d], wrt,
-                                      grad_outputs=[g for g, d in zip(grad_outs, diff) if d],
-                                      retain_graph=True, allow_unused=True)
-        backend.finish(bwd, None)
-        # The backward graph was captured before any output gradient existed: this first replay (the one a backend
-        # makes right after a capture) computes nothing anyone reads; the call's own backward replays it again.
-        bwd.replay()
-        it = iter(got)
-        grad_ins = [next(it) if needs else None for needs in [s.requires_grad for s in static] + [True] * len(params)]
+    if any(diff) and params + tuple(s for s in static if s.requires_grad):
+        _check_leaves(name, [o for o, d in zip(outs, diff) if d], [s for s in static if s.requires_grad] + list(params))
     else:
         diff, params = [False] * len(outs), ()
     named = module_tensors(module)
-    return GraphedCall(
-        fwd, bwd, static, params, out_spec, outs, diff, grad_outs,
-        tuple(None if g is None else g.detach() for g in grad_ins),
-        outs, {n: t.data_ptr() for n, t in named}, [t.untyped_storage() for _, t in named], tally)
+
+    def new_graph() -> Any:
+        graph = backend.new_graph()
+        generators.apply(graph)
+        return graph
+
+    return GraphedCall(name, fwd, static, params, out_spec, outs, diff, {n: t.data_ptr() for n, t in named},
+                       [t.untyped_storage() for _, t in named], tally, new_graph,
+                       lambda graph: backend.capture(graph, pool, stream), lambda graph: backend.finish(graph, None))
 
 
 def _check_leaves(name: str, outputs: list[Tensor], wrt: list[Tensor]) -> None:

@@ -7,10 +7,11 @@ free: it knows modules, not trainers.
 **Discovery.** The first ``warmup_steps`` steps run eagerly; every module call is counted and its input signature
 noted. Then the largest modules are tried first: a module called exactly once per step is a candidate unless an
 ancestor is one (a module the step never calls, or calls more than once, passes the question to its children). A
-candidate's next call is captured (:func:`~.graphed_module.capture_call`: forward and backward graphs, one memory
-pool). Where the capture raises (a host read, a CPU tensor made in the forward, a data-dependent shape), the module's
+candidate's next call is captured (:func:`~.graphed_module.capture_call`: the forward graph at the call, the
+backward graph at its backward; one memory pool). Where the capture raises (a host read, a CPU tensor made in the forward, a data-dependent shape), the module's
 reason is kept (the capture error with its file:line, :mod:`.errors`), its children become the candidates, and the
-module runs eagerly in that same call, so its children are tried right away: one step resolves the whole tree.
+module runs eagerly in that same call, so its children are tried right away: one step resolves the whole tree (a
+backward that does not capture gives that call's gradients eagerly; the children are tried from the next step).
 The islands are the modules that failed and contain no graph, and the failed modules whose own code between graphed
 children failed (reported once: a failure whose line a smaller island already names is not repeated).
 
@@ -324,6 +325,7 @@ class PartialGraphs:
             return self._failed(node, err, what, args, kwargs)
         finally:
             self._capturing -= 1
+        entry.on_failure = lambda exc: self._backward_failed(node, exc)
         node.cache.put(key, entry)
         if node.status is not _GRAPHED:
             node.status = _GRAPHED
@@ -332,6 +334,17 @@ class PartialGraphs:
 
     def _failed(self, node: _Node, err: CaptureError, what: str, args: tuple, kwargs: dict) -> Any:
         """``node`` cannot be a graph: it runs eagerly from now on, and its children are tried in this very call."""
+        self._split(node, err, what)
+        return node.forward(*args, **kwargs)
+
+    def _backward_failed(self, node: _Node, exc: BaseException) -> None:
+        """The backward of a captured forward did not capture (its gradients this once came eagerly): the module is
+        not a graph from the next step on; its children are tried in their next calls."""
+        what = f"module '{node.name}' (backward)"
+        self._events += 1
+        self._split(node, exc if isinstance(exc, CaptureError) else capture_error_from(root_cause(exc), what), what)
+
+    def _split(self, node: _Node, err: CaptureError, what: str) -> None:
         node.status = _SPLIT
         # "file:line: what it does there" (the capture error's first line, without its generic words)
         node.reason = str(err).splitlines()[0].replace(f"cannot capture the training step into a CUDA graph ({what}): ",
@@ -340,7 +353,6 @@ class PartialGraphs:
         node.cache.clear()
         for child in node.children:
             self._assign(child)
-        return node.forward(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # coverage

@@ -487,7 +487,8 @@ class LightningStepRunner:
         trainable = self.modules.trainable
         if list(map(id, (p for _, p in trainable))) != list(map(id, (p for _, p in engine.named_params))):
             self._set_trainable(trainable)
-        rapid = self.stats.replays - self._replays_at_change < _RAPID_REPLAYS
+        # (the partial tier re-captures its modules itself; no whole-step graph replays there to count)
+        rapid = self.partial is None and self.stats.replays - self._replays_at_change < _RAPID_REPLAYS
         self._rapid = self._rapid + 1 if rapid else 0
         self._replays_at_change = self.stats.replays
         if self._rapid > _MAX_RAPID_MODULE_CHANGES:
