@@ -1188,8 +1188,8 @@ MUTANTS: list[Mutant] = [
            "MFU counts full rather than causal attention FLOPs"),
     # -- the partial tier: discovery, the autograd wiring, its guards -------------------------------------------------
     Mutant("partial-failed-module-children-not-tried", "cpu", PARTIAL,
-           "        for child in node.children:\n            self._assign(child)\n        return node.forward(*args, **kwargs)",
-           "        return node.forward(*args, **kwargs)",
+           "        node.cache.clear()\n        for child in node.children:\n            self._assign(child)\n",
+           "        node.cache.clear()\n",
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",
             PT + "test_a_module_whose_own_code_reads_the_host_keeps_its_children_graphed"),
            "a module whose capture failed runs eagerly with its whole subtree: no child is tried"),

@@ -369,6 +369,8 @@ def test_scope_errors_name_the_class_and_argument():
         CudaGraphCallback(scope="partial")
     with pytest.raises(ValueError, match=r"CaptureConfig\(scope=None\) is invalid"):
         CaptureConfig(scope=None)
+    with pytest.raises(ValueError, match=r"CudaGraphCallback\(nan_action='skip'\) is invalid: scope='modules' runs"):
+        CudaGraphCallback(scope="modules", nan_action="skip")
     assert CaptureConfig().scope == "step"
 
 

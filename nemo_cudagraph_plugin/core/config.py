@@ -227,6 +227,10 @@ def _check(cfg: CaptureConfig, owner: str, typed: Optional[set[str]] = None) -> 
         if cfg.fp8_refresh is False:
             raise bad("fp8_refresh", "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
         cfg.fp8_refresh = True
+    if cfg.nan_action == "skip" and cfg.scope == "modules":
+        # The partial tier runs the optimizer as you wrote it: no fused kernel reads the guard's found_inf.
+        raise bad("nan_action", "scope='modules' runs your optimizer eagerly as you wrote it, which nothing can make "
+                  "skip an update on the device; use nan_action='raise'")
     if cfg.nan_action == "skip" and cfg.nan_guard is False:
         # The guard's gradient check is what finds the updates to skip.
         raise bad("nan_guard", "nan_action='skip' needs the NaN guard to find the bad updates; drop nan_guard=False")
