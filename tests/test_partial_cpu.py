@@ -191,6 +191,13 @@ def test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_hos
     assert_bitwise(g, e)
 
 
+def test_the_first_step_after_the_warm_up_finds_every_graph():
+    # warm-up steps 0 and 1; in step 2 the root's capture fails and its eager call tries (and captures) its children
+    g = train(Net, batches(3), True)
+    assert g[3].report.graphed == ["inp", "b0", "b1", "out"] and list(g[3].report.islands) == ["guard"]
+    assert g[3].report.captures == 4
+
+
 def test_a_module_whose_own_code_reads_the_host_keeps_its_children_graphed():
     g, e = both(lambda: nn.Sequential(nn.Linear(4, 8), Glue(), nn.Linear(8, 1)), batches(6))
     rep = g[3].report

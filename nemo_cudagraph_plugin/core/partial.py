@@ -311,20 +311,23 @@ class PartialGraphs:
         rng = (be.rng_state(self.device), self.generators.states())
         buffers = [(b, b.clone()) for b in node.module.buffers()]
         self._capturing += 1
+        failure: Optional[BaseException] = None
         try:
             entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, self._pool, self._stream,
                                  self.generators, be.device_type, self.tally)
         except Exception as exc:  # noqa: BLE001 - every capture failure makes the module eager, with its reason
+            failure = exc
+        finally:
+            self._capturing -= 1
+        if failure is not None:
             be.set_rng_state(rng[0], self.device)
             self.generators.set_states(rng[1])
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
             what = f"module '{node.name}'"
-            err = exc if isinstance(exc, CaptureError) else capture_error_from(root_cause(exc), what)
-            return self._failed(node, err, what, args, kwargs)
-        finally:
-            self._capturing -= 1
+            err = failure if isinstance(failure, CaptureError) else capture_error_from(root_cause(failure), what)
+            return self._failed(node, err, what, args, kwargs)  # its children are tried in this eager call
         entry.on_failure = lambda exc: self._backward_failed(node, exc)
         node.cache.put(key, entry)
         if node.status is not _GRAPHED:
