@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .finite import capturing
 
-__all__ = ["EagerAdamTail", "FusedAdamTail", "tail_applies"]
+__all__ = ["EagerAdamTail", "EagerSgdTail", "FusedAdamTail", "tail_applies"]
 
 # Elements per load and loads per program: 16 KiB of each of the three tensors per program.
 BLOCK, ITERS, NUM_WARPS = 1024, 4, 4
@@ -107,6 +107,34 @@ def _eager_kernel() -> Any:
             tl.store(p + offs, tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0)), mask=mask)
 
     return eager_adam_tail_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _sgd_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # torch's non-capturable SGD ends with ``_foreach_add_(params, grads, alpha=-lr)`` (multi-tensor) or
+    # ``param.add_(grad, alpha=-lr)`` (for-loop), ``lr`` a Python float. Both CUDA kernels convert ``alpha`` to float32
+    # (opmath) and compute ``p + alpha * g`` (``BinaryOpListAlphaFunctor``; the ufunc ``add``), which nvcc contracts
+    # into one FMA: one rounding, mirrored by ``fma``. Here ``alpha`` is read from device memory (one float32 per
+    # launch: a param group's).
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def eager_sgd_tail_kernel(table, n_tensors, alpha_ptr, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        c = tl.program_id(0)
+        t = tl.load(table + 5 * n_tensors + c)
+        p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+        g = tl.multiple_of(tl.load(table + n_tensors + t).to(ref.dtype), 16)
+        numel = tl.load(table + 3 * n_tensors + t)
+        start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)
+        alpha = tl.load(alpha_ptr)
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < numel
+            x = tl.load(p + offs, mask=mask, other=0.0)
+            tl.store(p + offs, tl.math.fma(tl.load(g + offs, mask=mask, other=0.0), alpha, x), mask=mask)
+
+    return eager_sgd_tail_kernel
 
 
 def tail_applies(*lists: Sequence[Tensor]) -> bool:
@@ -192,6 +220,25 @@ class EagerAdamTail(FusedAdamTail):
         one = torch.ones(1, dtype=torch.float32, device=device)
         for from_v in (True, False):
             self([p], [m], [v], one, one, 1e-8, from_v=from_v)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._warm.add(device)
+
+
+class EagerSgdTail(FusedAdamTail):
+    """The last operation of torch's SGD update, ``p += alpha * g`` with ``alpha = float32(-lr)`` read from the device,
+    rounded as torch's CUDA ``add`` with ``alpha`` rounds it (one FMA, see :func:`_sgd_kernel`)."""
+
+    def __call__(self, params: Sequence[Tensor], grads: Sequence[Tensor], alpha: Tensor) -> None:  # type: ignore[override]
+        table, programs = self._table(params, grads, grads)
+        _sgd_kernel()[(programs,)](table, len(params), alpha, params[0].detach(), BLOCK=self.block, ITERS=self.iters,
+                                   num_warps=self.num_warps)
+
+    def warm(self, device: torch.device) -> None:
+        if device in self._warm:
+            return
+        p, g = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(2))
+        self([p], [g], torch.ones((), dtype=torch.float32, device=device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self._warm.add(device)

@@ -14,9 +14,9 @@ What is changed, per param group, until :meth:`OptimizerPrep.restore`:
   device when ``optimizer.found_inf`` is set.
 
 With ``math="eager"`` (the default of ``CaptureConfig.optimizer_math``), a torch Adam/AdamW that
-:func:`.user_adam.why_not` accepts keeps its own settings and float ``lr`` instead: its own non-capturable update
-is captured with the host's scalars read from the device (:mod:`.user_adam`), so graphed steps give the bits of
-the user's eager steps. Anything else gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs`
+:func:`.user_adam.why_not` accepts, or an SGD that :func:`.user_sgd.why_not` accepts, keeps its own settings and
+float ``lr`` instead: its own non-capturable update is captured with the host's scalars read from the device
+(:mod:`.user_adam`, :mod:`.user_sgd`), so graphed steps give the bits of the user's eager steps. Anything else gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs`
 says why.
 
 Any other scalar hyperparameter (``weight_decay``, ``eps``, SGD ``momentum``...) stays a float:
@@ -32,8 +32,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import user_adam
+from . import user_adam, user_sgd
 from ._torch_compat import check_torch_version, clear_found_inf, quiet_uncaptured_capturable, set_found_inf
+from .user_step import UserStep
 
 __all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state"]
 
@@ -171,7 +172,7 @@ class OptimizerPrep:
         self.step_count = step_count
         self.device_type = device_type or device.type
         #: the user's own update, captured (``math="eager"`` where it applies), else ``None``
-        self.user: Optional[user_adam.UserMathAdam] = None
+        self.user: Optional[UserStep] = None
         #: why the graphed update is not the user's own (``""`` when it is)
         self.math_differs = ""
         self.optimizer = optimizer
@@ -242,14 +243,16 @@ class OptimizerPrep:
         if self.user is not None:  # a re-apply (load_state_dict, a group added): counters and tables read again
             self.user.remove()
             self.user = None
-        why = user_adam.why_not(opt, self.device_type, self.skip_nonfinite)
+        sgd = isinstance(opt, torch.optim.SGD)
+        why = (user_sgd if sgd else user_adam).why_not(opt, self.device_type, self.skip_nonfinite)
         if why is not None:
             self.math_differs = f"the plugin's capturable update of {type(opt).__name__} is captured ({why})"
             return False
         for i, group in enumerate(opt.param_groups):
             if i == len(self._saved):
                 self._saved.append({k: group[k] for k in ("lr", "betas", "capturable", "fused", "foreach") if k in group})
-        self.user = user_adam.UserMathAdam(opt, self.device, self.step_count)
+        self.user = (user_sgd.UserMathSGD(opt, self.device) if sgd
+                     else user_adam.UserMathAdam(opt, self.device, self.step_count))
         self.user.install()
         self._live = []
         self.math_differs = ""
