@@ -670,7 +670,8 @@ def _changed_by_bind(trainer, module) -> dict:
             "optimizer hooks": len(opt._optimizer_load_state_dict_post_hooks),
             "module hooks": len(module._load_state_dict_post_hooks),
             "clip": "clip_grad_by_norm" in trainer.strategy.precision_plugin.__dict__,
-            "lr": sorted({type(pg["lr"]).__name__ for pg in opt.param_groups})}
+            "lr": sorted({"Tensor" if isinstance(pg["lr"], torch.Tensor) else type(pg["lr"]).__name__
+                           for pg in opt.param_groups})}
 
 
 class _SeeBound(pl.Callback):

@@ -211,7 +211,7 @@ def test_adam_with_fused_false_and_foreach_unset_runs_the_for_loop_update_on_cud
 # ----------------------------------------------------------------------------------------------------------
 # the kernel (Triton's interpreter on the CPU)
 # ----------------------------------------------------------------------------------------------------------
-def test_the_sgd_tail_kernel_rounds_as_torchs_add_with_alpha(interpreted):
+def test_the_sgd_tail_kernel_rounds_as_torchs_add_with_alpha(interpreted):  # noqa: F811
     from nemo_cudagraph_plugin.core import adam_tail
     from nemo_cudagraph_plugin.core.adam_tail import EagerSgdTail
 
@@ -228,3 +228,53 @@ def test_the_sgd_tail_kernel_rounds_as_torchs_add_with_alpha(interpreted):
     for j, (p, w) in enumerate(zip(ps, want)):
         assert torch.equal(p, w), f"tensor {j}: {(p != w).sum()} elements differ"
     assert not torch.equal(want[-1], two[-1])  # the data tells an FMA from a multiply and an add
+
+
+# ----------------------------------------------------------------------------------------------------------
+# where the graphed math is not the user's: by how much
+# ----------------------------------------------------------------------------------------------------------
+def test_where_the_math_differs_the_first_verified_step_measures_by_how_much():
+    from test_user_adam import _fit as adam_fit
+
+    # nan_action="skip": the fused kernel with a float32 lr tensor is graphed instead of the user's multi-tensor update
+    skip = {"verify_steps": 2, "nan_action": "skip"}
+    g = adam_fit(True, {"foreach": True}, cb_kw=skip)
+    stats = g[2].stats
+    assert stats.verified_steps == 2 and "nan_action='skip'" in stats.optimizer_math
+    gap_abs, gap_rel = stats.optimizer_math_gap
+    assert 0 < gap_abs and 0 < gap_rel < 1e-4, stats.optimizer_math_gap  # a few float32 roundings apart
+    text = stats.optimizer_math_text()
+    assert text.startswith("optimizer math differs from your eager step: the plugin's capturable update")
+    assert f"differ from your own step's by up to {gap_abs:.3g}" in text and text in stats.summary()
+    # unmeasured: the summary says how to measure it; the user's own math: nothing to say, nothing run
+    assert "verify_steps >= 1 measures" in adam_fit(True, {"foreach": True}, cb_kw={"nan_action": "skip"})[2].stats.summary()
+    own = _fit(True, CASES["sgd-foreach-momentum"][0], cb_kw={"verify_steps": 2})[2].stats
+    assert own.optimizer_math_gap is None and own.optimizer_math_text() == "" and "optimizer math" not in own.summary()
+
+
+def test_the_users_settings_are_back_only_inside_the_block():
+    a = torch.optim.AdamW([nn.Parameter(torch.ones(4))], lr=LR, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(a, lambda step: 0.97 ** step)  # made before the fit, as in Lightning
+    prep = OptimizerPrep(a, torch.device("cpu"), math="eager")
+    prep.apply()
+    g = a.param_groups[0]
+    assert isinstance(g["lr"], torch.Tensor)
+    tensor = g["lr"]
+    for step in range(1, 4):
+        a.step()
+        sched.step()  # fills the tensor with the float it computes: the tensor keeps its float32 rounding
+        assert float(tensor) != LR * 0.97 ** step
+        with prep.users_step():
+            assert g["lr"] == LR * 0.97 ** step and isinstance(g["lr"], float) and g["capturable"] is False
+        assert g["lr"] is tensor and g["capturable"] is True
+    g["lr"] = LR * 0.5  # a float assigned by the user's code, copied into the tensor
+    prep.sync_hyperparams()
+    with prep.users_step():
+        assert g["lr"] == LR * 0.5
+    assert g["lr"] is tensor
+    prep.restore()
+    plain = torch.optim.SGD([nn.Parameter(torch.ones(4))], lr=LR)
+    prep = OptimizerPrep(plain, torch.device("cpu"), math="eager")
+    prep.apply()
+    assert prep.users_step() is None  # the graphed update is the user's own
+    prep.restore()

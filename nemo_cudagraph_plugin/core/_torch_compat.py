@@ -36,6 +36,7 @@ __all__ = [
     "adam_init_group",
     "adam_step_is_torchs",
     "runs_foreach",
+    "plain_torch_function",
     "mark_step_called",
     "sgd_init_group",
     "sgd_step_is_torchs",
@@ -190,6 +191,11 @@ def runs_foreach(group: dict, params: list) -> bool:
     if foreach is None and group.get("fused") is None:
         return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
     return bool(foreach)
+
+
+#: a ``Tensor`` subclass's ``__torch_function__`` that makes every operation treat it as a plain tensor (its results are
+#: plain tensors)
+plain_torch_function = torch._C._disabled_torch_function_impl
 
 
 def mark_step_called(optimizer: Any) -> None:

@@ -267,6 +267,10 @@ class CaptureStats:
     fast_adam_unused: str = ""
     #: why the graphed optimizer update is not your optimizer's own eager update ("" when it is)
     optimizer_math: str = ""
+    #: where it is not, by how much, measured by the first ``verify_steps`` comparison (the step run once more with your
+    #: optimizer's own settings): ``(max |graphed - yours|, that over the parameter's largest |yours|)`` of the
+    #: parameters after that step; ``None``: not measured
+    optimizer_math_gap: Optional[tuple[float, float]] = None
 
     @property
     def peak_over_eager(self) -> Optional[float]:
@@ -289,5 +293,17 @@ class CaptureStats:
             + (f"; peak memory {self.peak_bytes / 2**30:.2f} GiB, {self.peak_over_eager:.3f}x the eager warm-up's"
                f" {self.peak_eager_bytes / 2**30:.2f} GiB" if self.peak_over_eager is not None else "")
             + (f"; fast_adam unused: {self.fast_adam_unused}" if self.fast_adam_unused else "")
-            + (f"; optimizer math differs from your eager step: {self.optimizer_math}" if self.optimizer_math else "")
+            + (f"; {self.optimizer_math_text()}" if self.optimizer_math else "")
         )
+
+    def optimizer_math_text(self) -> str:
+        """That the graphed optimizer math differs from your eager step, why, and by how much (``""`` where it does
+        not): the end-of-fit summary's words."""
+        if not self.optimizer_math:
+            return ""
+        text = f"optimizer math differs from your eager step: {self.optimizer_math}"
+        if self.optimizer_math_gap is None:
+            return text + " (verify_steps >= 1 measures by how much)"
+        gap_abs, gap_rel = self.optimizer_math_gap
+        return (text + f"; after one verified step the parameters differ from your own step's by up to {gap_abs:.3g}"
+                f" ({gap_rel:.3g} of the parameter's largest magnitude)")

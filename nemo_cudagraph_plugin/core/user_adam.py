@@ -52,7 +52,7 @@ from ._torch_compat import (
     runs_foreach,
 )
 from .adam_step import not_torchs_adam, plain_float32_params
-from .adam_tail import EagerAdamTail, tail_applies
+from .adam_tail import TAIL_DTYPES, EagerAdamTail, tail_applies
 from .finite import triton_available
 from .user_step import UserStep
 
@@ -148,10 +148,12 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
             return f"param group {i} runs the for-loop update (foreach=False)"
         if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
             return f"param group {i} has a tensor lr or betas"
-        if (why := plain_float32_params(i, g, device_type, devices)) is not None:
+        if (why := plain_float32_params(i, g, device_type, devices, TAIL_DTYPES)) is not None:
             return why
+    if len({d for d, _ in devices}) > 1:
+        return f"{name}'s parameters live on {len({d for d, _ in devices})} devices"
     if len(devices) > 1:
-        return f"{name}'s parameters live on {len(devices)} devices"
+        return f"{name}'s parameters mix dtypes ({', '.join(sorted(str(t) for _, t in devices))})"
     return None
 
 
@@ -170,7 +172,13 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     if weight_decay != 0:
         if decoupled_weight_decay:
             factor = decay_factor(lr, weight_decay)  # the float32 a Python scalar becomes in the multiply
-            if foreach:
+            if params[0].dtype == torch.bfloat16 and params[0].device.type != "cpu":
+                # CUDA's ``_foreach_mul_``/``mul_`` with a float32 0-d tensor would round it to BFloat16 first (the
+                # CPU's reads it as a scalar in float32, as a Python float)
+                if tail is None or not tail_applies(params, dtypes=TAIL_DTYPES):
+                    raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
+                tail.scale(params, factor)
+            elif foreach:
                 torch._foreach_mul_(params, factor)
             else:
                 for p in params:
@@ -200,7 +208,7 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
                 torch.maximum(mx, v, out=mx)
         source = max_exp_avg_sqs
     on_cuda = params[0].device.type == "cuda"
-    use_tail = tail is not None and tail_applies(params, exp_avgs, source)
+    use_tail = tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES)
     if foreach and use_tail:
         tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, from_v=True)
         return
@@ -217,10 +225,10 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     if use_tail:
         tail(params, exp_avgs, denom, bc2_sqrt, step_size, eps, from_v=False)
     elif not on_cuda:
-        # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation rounded to float32.
-        scaled = torch._foreach_mul(exp_avgs, list(step_size.unbind()))
-        torch._foreach_div_(scaled, denom)
-        torch._foreach_add_(params, scaled)
+        # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation in float32 (the opmath
+        # type of BFloat16 too), the result stored once in the parameter's dtype.
+        for p, m, d, s in zip(params, exp_avgs, denom, step_size.unbind()):
+            p.copy_(p.float() + (s * m.float()) / d.float())
     else:  # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
         raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
 
@@ -261,7 +269,7 @@ class UserMathAdam(UserStep):
         """Move the step counters to the device, build the tables and take over the instance's ``step``."""
         opt = self.optimizer
         if self.tail is not None:
-            self.tail.warm(self.device)
+            self.tail.warm(self.device, sorted({p.dtype for g in opt.param_groups for p in g["params"]}, key=str))
         bounds = self._read_counters()
         tables: dict[tuple[float, float], ScalarTable] = {}
         self.groups = []
