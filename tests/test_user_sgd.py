@@ -272,6 +272,15 @@ def test_the_users_settings_are_back_only_inside_the_block():
     with prep.users_step():
         assert g["lr"] == LR * 0.5
     assert g["lr"] is tensor
+    # a state_dict copied or saved meanwhile holds plain tensors (it loads without the plugin)
+    import copy
+    import io
+
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    for sd in (copy.deepcopy(a.state_dict()), torch.load(buf)):
+        assert type(sd["param_groups"][0]["lr"]) is torch.Tensor
     prep.restore()
     plain = torch.optim.SGD([nn.Parameter(torch.ones(4))], lr=LR)
     prep = OptimizerPrep(plain, torch.device("cpu"), math="eager")

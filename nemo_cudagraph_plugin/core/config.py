@@ -94,15 +94,18 @@ class CaptureConfig:
             the end-of-fit summary says why (other optimizers are not concerned). Eager steps always run torch's
             step. ``False``: torch's own capturable update is captured. Not used where ``optimizer_math="eager"``
             captures the user's own update.
-        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor or for-loop, ``amsgrad``,
-            ``maximize``, weight decay, float ``lr``; float32 parameters; Triton on CUDA) keeps its own settings and its
-            own non-capturable update is captured, with the scalars its Python computes on the host (bias corrections,
-            step size, decay factor) read from the device as the same float64 numbers: graphed training gives the bits
-            of your own eager run (:mod:`nemo_cudagraph_plugin.core.user_adam`). Other optimizers and settings (fused
-            Adam, tensor ``lr``, ``nan_action="skip"``, SGD) get the capturable preparation and ``stats.optimizer_math``
-            says so. ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device
-            tensor, bias corrections computed on the device in float32): bitwise equal to eager training with that
-            preparation, about 1e-4 relative from your own run.
+        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor, ``amsgrad``, ``maximize``, weight
+            decay, float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) or ``torch.optim.SGD`` (multi-tensor or
+            for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``, float ``lr``; float32 parameters; Triton
+            on CUDA) keeps its own settings and its own non-capturable update is captured, with the scalars its Python
+            computes on the host (Adam's bias corrections, step size and decay factor; the ``lr`` of both) read from
+            the device as the same float64 numbers and rounded where torch's kernels round them
+            (:mod:`nemo_cudagraph_plugin.core.user_adam`, :mod:`nemo_cudagraph_plugin.core.user_sgd`). Other optimizers
+            and settings (fused Adam/AdamW/SGD, tensor ``lr``, ``nan_action="skip"``, the for-loop Adam on CUDA) get
+            the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step,
+            ``stats.optimizer_math_gap`` by how much. ``"capturable"``: always the capturable preparation
+            (``capturable=True``, ``lr`` a float32 device tensor, bias corrections computed on the device in float32):
+            bitwise equal to eager training with that preparation, about 1e-4 relative from your own run.
     """
 
     enabled: bool = True

@@ -16,8 +16,9 @@ What is changed, per param group, until :meth:`OptimizerPrep.restore`:
 With ``math="eager"`` (the default of ``CaptureConfig.optimizer_math``), a torch Adam/AdamW that
 :func:`.user_adam.why_not` accepts, or an SGD that :func:`.user_sgd.why_not` accepts, keeps its own settings and
 float ``lr`` instead: its own non-capturable update is captured with the host's scalars read from the device
-(:mod:`.user_adam`, :mod:`.user_sgd`), so graphed steps give the bits of the user's eager steps. Anything else gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs`
-says why.
+(:mod:`.user_adam`, :mod:`.user_sgd`), so graphed steps give the bits of the user's eager steps. Anything else
+gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs` says why; with ``verify_steps``,
+:meth:`OptimizerPrep.users_step` lets the first verified step measure by how much (``stats.optimizer_math_gap``).
 
 Any other scalar hyperparameter (``weight_decay``, ``eps``, SGD ``momentum``...) stays a float:
 :meth:`OptimizerPrep.changed_scalars` reports a change so the engine can re-capture.
@@ -414,6 +415,14 @@ class _Assigned(Tensor):
     def fill_(self, value: Any) -> Tensor:  # type: ignore[override]
         self.assigned = value if not isinstance(value, Tensor) else None
         return super().fill_(value)
+
+    # Copies and pickles (a deep-copied or saved state_dict) are plain tensors: nothing needs this class to load them.
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        out = memo[id(self)] = Tensor.clone(self)
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return Tensor.clone(self).__reduce_ex__(protocol)
 
 
 def _users_float(v: Any) -> Any:

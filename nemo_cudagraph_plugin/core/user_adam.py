@@ -27,6 +27,11 @@ A graph would freeze those numbers. Here they come from device memory, equal bit
   backend of the tests) the CPU kernels' order is mirrored instead (``p + (s * m) / d``, no FMA).
 * The for-loop path's ``tensor / python_scalar`` is, on CUDA, a multiply by the float32 reciprocal computed on the
   host (``BinaryDivTrueKernel.cu``); mirrored as ``x * reciprocal(float32(bc2_sqrt))`` (both IEEE).
+* BFloat16 parameters (and moments): torch's kernels compute each operation in float32 with the same float32 scalars
+  and store BFloat16. The kernel rounds the multi-tensor denominator to BFloat16 after each of its operations and
+  the parameter once; AdamW's decay multiplies by the float32 factor in a kernel of its own (torch's ``mul_`` with a
+  float32 0-d CUDA tensor would round the factor to BFloat16 first). On the CPU the update's end is computed in
+  float32 and stored once, as torch's CPU ``addcdiv`` does.
 
 Every other operation (step increment, ``lerp_``, ``mul_``, ``addcmul_``, the coupled decay, ``maximize``'s negation,
 amsgrad's maximum) is torch's own call with torch's own Python-float arguments, which a graph may freeze: betas, eps and
@@ -34,8 +39,10 @@ weight decay are constants (the engine re-captures when one changes; the table f
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
 ``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``lr`` and ``betas``, non-fused
-groups (the multi-tensor and the for-loop update, ``amsgrad``, ``maximize``, weight decay), float32 parameters on
-one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's ``found_inf``).
+groups (the multi-tensor update, and the for-loop update on the CPU; ``amsgrad``, ``maximize``, weight decay), float32
+or BFloat16 parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused
+kernel's ``found_inf``). Fused groups cannot be: torch's fused kernel takes a float ``lr`` as a kernel argument (a
+graph freezes it) and reads a tensor ``lr`` as float32 (:data:`FUSED_LR`).
 """
 
 from __future__ import annotations

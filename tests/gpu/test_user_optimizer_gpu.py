@@ -160,8 +160,9 @@ def test_fused_adamw_is_reported_as_graphed_with_other_math_and_by_how_much():
     g = run(True, "adamw-fused", "32-true", 20, cb_kw={"verify_steps": 1})
     why = g[3].stats.optimizer_math
     assert g[3].stats.replays > 0 and "fused" in why and "float32" in why, why
-    gap_abs, gap_rel = g[3].stats.optimizer_math_gap  # float32(lr) in the fused kernel against the user's double
-    assert 0 < gap_abs and gap_rel < 1e-4, g[3].stats.optimizer_math_gap
+    # measured: float32(lr) in the fused kernel against the user's double (a few elements an ulp apart, or none)
+    assert g[3].stats.optimizer_math_gap is not None and g[3].stats.optimizer_math_gap[1] < 1e-4
+    assert "by up to" in g[3].stats.summary()
 
 
 @pytest.mark.parametrize("foreach", [True, False])
