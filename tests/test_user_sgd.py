@@ -287,3 +287,19 @@ def test_the_users_settings_are_back_only_inside_the_block():
     prep.apply()
     assert prep.users_step() is None  # the graphed update is the user's own
     prep.restore()
+
+
+def test_an_empty_parameter_is_left_alone_as_torch_leaves_it():
+    def params():
+        return [nn.Parameter(torch.zeros(0)), nn.Parameter(torch.linspace(-1, 1, 7))]
+
+    a, b = params(), params()
+    ref, opt = torch.optim.SGD(a, lr=LR, momentum=0.9), torch.optim.SGD(b, lr=LR, momentum=0.9)
+    user = UserMathSGD(opt, torch.device("cpu"))
+    user.install()
+    for _ in range(3):
+        for ps, o in ((a, ref), (b, opt)):
+            for p in ps:
+                p.grad = torch.ones_like(p) * 0.3
+            o.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b)) and b[0].numel() == 0

@@ -92,6 +92,11 @@ def fma_f32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
 def add_scaled(params: list[Tensor], grads: list[Tensor], alpha: Tensor, tail: Optional[EagerSgdTail] = None) -> None:
     """``p += alpha * g`` for each pair as torch's ``add`` with a Python ``alpha`` computes it (one FMA), ``alpha`` a
     float32 0-d device tensor."""
+    if any(p.numel() == 0 for p in params):  # nothing to update (and no kernel takes them)
+        kept = [(p, g) for p, g in zip(params, grads) if p.numel()]
+        params, grads = [p for p, _ in kept], [g for _, g in kept]
+        if not params:
+            return
     if tail is not None and tail_applies(params, grads):
         tail(params, grads, alpha)
     elif params[0].device.type == "cpu":
