@@ -671,7 +671,8 @@ def _changed_by_bind(trainer, module) -> dict:
             "module hooks": len(module._load_state_dict_post_hooks),
             "clip": "clip_grad_by_norm" in trainer.strategy.precision_plugin.__dict__,
             "strategy": sorted(k for k in ("backward", "optimizer_step") if k in trainer.strategy.__dict__),
-            "lr": sorted({type(pg["lr"]).__name__ for pg in opt.param_groups})}
+            "lr": sorted({"Tensor" if isinstance(pg["lr"], torch.Tensor) else type(pg["lr"]).__name__
+                           for pg in opt.param_groups})}
 
 
 class _SeeBound(pl.Callback):

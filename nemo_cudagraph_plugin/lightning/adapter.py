@@ -298,6 +298,11 @@ class LightningStepAdapter:
         """Around the eager half of ``verify_steps``: the user's own optimizer step runs in it."""
         return self.prep.reference_step()
 
+    def users_step(self) -> Optional[contextlib.AbstractContextManager]:
+        """Where the graphed optimizer math is not the user's: the optimizer with their own settings, for
+        ``verify_steps`` to say by how much (``None``: it is theirs)."""
+        return self.prep.users_step()
+
     def post_capture_checks(self) -> list[Callable[[], None]]:
         return self._checks
 
