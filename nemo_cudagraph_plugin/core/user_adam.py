@@ -25,8 +25,8 @@ A graph would freeze those numbers. Here they come from device memory, equal bit
   ScalarList/``value`` argument no torch kernel reads from the device without a sync) by
   :class:`~.adam_tail.EagerAdamTail`, the same IEEE division and FMA as torch's CUDA kernel. On the CPU (the tape
   backend of the tests) the CPU kernels' order is mirrored instead (``p + (s * m) / d``, no FMA).
-* The for-loop path's ``tensor / python_scalar`` is, on CUDA, a multiply by the float32 reciprocal computed on the
-  host (``BinaryDivTrueKernel.cu``); mirrored as ``x * reciprocal(float32(bc2_sqrt))`` (both IEEE).
+* The for-loop path is mirrored on the CPU only: on CUDA its ``tensor / python_scalar`` rounds as no device-scalar
+  kernel reproduced bit for bit, so there it gets the capturable preparation and says so.
 * BFloat16 parameters (and moments): torch's kernels compute each operation in float32 with the same float32 scalars
   and store BFloat16. The kernel rounds the multi-tensor denominator to BFloat16 after each of its operations and
   the parameter once; AdamW's decay multiplies by the float32 factor in a kernel of its own (torch's ``mul_`` with a
@@ -223,11 +223,7 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
         denom = torch._foreach_sqrt(source)
         torch._foreach_div_(denom, list(bc2_sqrt.unbind()))  # the ScalarList's float32 division
         torch._foreach_add_(denom, eps)
-    elif on_cuda:
-        # CUDA's ``tensor / python_scalar`` multiplies by the float32 reciprocal (BinaryDivTrueKernel.cu).
-        inv = torch.reciprocal(bc2_sqrt)
-        denom = [v.sqrt().mul_(inv[j]).add_(eps) for j, v in enumerate(source)]
-    else:
+    else:  # the for-loop update, on the CPU only (its CUDA division is not mirrored: why_not refuses it there)
         denom = [v.sqrt().div_(bc2_sqrt[j]).add_(eps) for j, v in enumerate(source)]
     if use_tail:
         tail(params, exp_avgs, denom, bc2_sqrt, step_size, eps, from_v=False)
