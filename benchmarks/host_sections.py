@@ -95,16 +95,17 @@ class Instrument(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sec, runner = self.sec, self.cb.step_runner
-        engine, loop = runner.engine, runner._loop
+        adapter, loop = runner.adapter, runner._loop
+        engine = adapter.engine
         engine.guards[:] = [sec.wrap(f"engine: guard {i} ({g.__name__})", g) for i, g in enumerate(engine.guards)]
         engine.cache.get = sec.wrap("engine: cache lookup", engine.cache.get)
         engine_mod.flatten = sec.wrap("engine: batch flatten", engine_mod.flatten)
         engine_mod.signature_of = sec.wrap("engine: signature", engine_mod.signature_of)
         engine.step = sec.wrap("engine.step (all)", engine.step)
-        # The engine asks its adapter (the runner) for these when it needs them: wrapped on the runner.
-        if runner.after_replay is not None:
-            runner.after_replay = sec.wrap("engine: progress counters", runner.after_replay)
-        on_capture = runner.on_capture
+        # The engine asks its adapter for these when it needs them: wrapped on the adapter.
+        if adapter.after_replay is not None:
+            adapter.after_replay = sec.wrap("engine: progress counters", adapter.after_replay)
+        on_capture = adapter.on_capture
 
         def captured(entry: Any) -> None:
             on_capture(entry)
@@ -114,8 +115,8 @@ class Instrument(pl.Callback):
             if entry.io is not None:  # io_in_graph: the graph copies; the host points its nodes at the tensors
                 entry.io.bind = sec.wrap("engine: io bind (batch in, outputs out)", entry.io.bind)
 
-        runner.on_capture = captured
-        runner.logs.emit = sec.wrap("run: logs.emit (all)", runner.logs.emit)
+        adapter.on_capture = captured
+        adapter.logs.emit = sec.wrap("run: logs.emit (all)", adapter.logs.emit)
         _compat.fast_log = sec.wrap("run: fast_log", _compat.fast_log)
         _compat.step_key = sec.wrap("run: step key", _compat.step_key)
         strategy = trainer.strategy

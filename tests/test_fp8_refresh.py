@@ -658,3 +658,22 @@ def test_callback_owned_subset_per_optimizer():
     assert [len(h.plan) for h in cb.handles] == [1, 3]
     cb.teardown(None, m, "fit")
     assert cb.handles == []
+
+
+@pytest.mark.parametrize("at_fit_start", [True, False])
+def test_callback_refreshes_every_fp8_parameter_once_at_fit_start(at_fit_start):
+    """Bytes loaded into the existing tensors before fit (a checkpoint) leave the transposes stale: the callback
+    refreshes every FP8 parameter once at fit start (not only those an optimizer owns), set up by the installer and
+    removed again: nothing of it stays installed or counts as a refresh after a step."""
+    from nemo_cudagraph_plugin.lightning.fp8_callback import Fp8TransposeRefresh
+
+    m = make_fp8_module(["te2", "te1.8", "te2"])
+    for i, p in enumerate((m.w0, m.w1, m.w2)):
+        write_fp8_bytes(p, seed=10 + i, reset=False)
+    owner = WritingOptimizer([m.w0])
+    cb = Fp8TransposeRefresh(refresh_at_fit_start=at_fit_start)
+    cb.on_fit_start(types.SimpleNamespace(optimizers=[owner]), m)
+    assert verify_fp8_transposes(m).ok == at_fit_start
+    assert [len(h.plan) for h in cb.handles] == [1] and cb.refreshes == 0
+    assert len(owner._optimizer_step_post_hooks) == 1
+    cb.teardown(None, m, "fit")

@@ -113,9 +113,59 @@ def test_package_imports_are_relative():
     assert absolute == []
 
 
+# The seam inside lightning/: the binding (runner.py) changes Lightning's objects and holds none of the step's state
+# (optimizer preparation, NaN guard, watches, logs, FP8 care: the adapter's); the engine's adapter (adapter.py) holds
+# that state and reaches Lightning's objects only through _compat.py (from Lightning itself: public utilities only).
+_STEP_STATE = tuple(f"{PKG}.{m}" for m in ("core.nan_guard", "core.optim", "core.module_state", "core.adam_step",
+                                           "core.user_adam", "fp8", "lightning.logs"))
+SEAM = {
+    f"{PKG}.lightning.runner": lambda name: name.startswith(_STEP_STATE),
+    f"{PKG}.lightning.adapter": lambda name: (
+        (name == "lightning" or name.startswith("lightning."))
+        and not name.startswith("lightning.pytorch.utilities")
+        or name.startswith((f"{PKG}.lightning.runner", f"{PKG}.lightning.checks", f"{PKG}.hf"))),
+}
+
+
+def seam_violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        forbidden = SEAM.get(module)
+        if forbidden is None:
+            continue
+        bad += [f"{path.relative_to(root.parent)}:{line}: {module} imports {name}"
+                for line, name in imported_names(path, root) if forbidden(name)]
+    return bad
+
+
+def test_the_binding_holds_no_step_state_and_the_adapter_reaches_lightning_through_compat():
+    assert seam_violations() == []
+
+
+def test_the_seam_check_sees_planted_violations(tmp_path):
+    pkg = tmp_path / PKG
+    (pkg / "lightning").mkdir(parents=True)
+    (pkg / "lightning" / "runner.py").write_text("from ..core.nan_guard import NanPolicy\nfrom . import _compat\n")
+    (pkg / "lightning" / "adapter.py").write_text(
+        "from lightning.pytorch.loops import _AutomaticOptimization\nfrom lightning.pytorch.utilities import rank_zero_info\n"
+        "from . import _compat\n")
+    assert seam_violations(pkg) == [
+        f"{PKG}/lightning/adapter.py:1: {PKG}.lightning.adapter imports lightning.pytorch.loops",
+        f"{PKG}/lightning/adapter.py:1: {PKG}.lightning.adapter imports lightning.pytorch.loops._AutomaticOptimization",
+        f"{PKG}/lightning/runner.py:1: {PKG}.lightning.runner imports {PKG}.core.nan_guard",
+        f"{PKG}/lightning/runner.py:1: {PKG}.lightning.runner imports {PKG}.core.nan_guard.NanPolicy",
+    ]
+
+
+# What sets up an FP8 refresh besides the installer: the plan itself, and the user's public one-shot entry points.
+_REFRESH_OUTSIDE_INSTALLER = ("Fp8RefreshPlan", "refresh_fp8_transposes", "after_param_sync")
+
+
 def refresh_plans_built_outside_the_installer(root: Path = ROOT) -> list[str]:
-    """``Fp8RefreshPlan(...)`` calls outside ``fp8/refresh.py``: every FP8 refresh that runs after a step or an
-    all-gather is set up by ``install_fp8_refresh``, so its checks, options and undo exist once."""
+    """``Fp8RefreshPlan(...)``, ``refresh_fp8_transposes(...)`` and ``after_param_sync(...)`` calls outside
+    ``fp8/refresh.py``: every FP8 refresh the package runs (after a step, an all-gather, at fit start) is set up by
+    ``install_fp8_refresh``, so its checks, options and undo exist once; the other two are for users."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).as_posix() == "fp8/refresh.py":
@@ -123,7 +173,7 @@ def refresh_plans_built_outside_the_installer(root: Path = ROOT) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-                if name == "Fp8RefreshPlan":
+                if name in _REFRESH_OUTSIDE_INSTALLER:
                     found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
     return found
 
@@ -137,7 +187,8 @@ def test_the_installer_check_sees_a_plan_built_elsewhere(tmp_path):
     (pkg / "fp8").mkdir(parents=True)
     (pkg / "fp8" / "refresh.py").write_text("class Fp8RefreshPlan: ...\nFp8RefreshPlan()\n")
     (pkg / "fp8" / "pipeline.py").write_text("from . import refresh\n\nrefresh.Fp8RefreshPlan([])\n")
-    assert refresh_plans_built_outside_the_installer(pkg) == [f"{PKG}/fp8/pipeline.py:3"]
+    (pkg / "fp8" / "cb.py").write_text("from .refresh import refresh_fp8_transposes\nrefresh_fp8_transposes([])\n")
+    assert refresh_plans_built_outside_the_installer(pkg) == [f"{PKG}/fp8/cb.py:2", f"{PKG}/fp8/pipeline.py:3"]
 
 
 # Modules that wrap another library's private API (and say which versions they were checked against): the one place

@@ -394,7 +394,7 @@ def test_log_records_of_eager_steps_are_dropped_once_emitted():
     """Records of an eager step (warm-ups, a new signature) are used once; only a captured step's are kept (its
     replays re-emit them): a long run with many re-captures does not pile them up."""
     g = fit(steps=12, lengths=(32, 16))  # two signatures: warm-ups and a new-signature eager step each
-    logs = g.cb.step_runner.logs
+    logs = g.cb.step_runner.adapter.logs
     assert g.cb.stats.captures == 2 and g.cb.stats.eager_steps + g.cb.stats.warmup_steps >= 3
     assert set(logs._records) == logs._kept, (sorted(logs._records), sorted(logs._kept))
 
@@ -619,7 +619,7 @@ def test_layers_unfrozen_with_a_new_param_group_are_trained_and_checked_like_eag
     assert g.stats.recaptures == 1 and g.stats.replays >= 8, g.stats.summary()
     assert_same(g, e)
     runner = g.cb.step_runner
-    assert "model.blocks.0.attn.qkv.weight" in runner.guard.names
+    assert "model.blocks.0.attn.qkv.weight" in runner.adapter.guard.names
     assert len(g.trainer.optimizers[0].param_groups) == 3
     assert isinstance(g.trainer.optimizers[0].param_groups[-1]["lr"], float)  # given back as the user built it
 
@@ -670,7 +670,9 @@ def _changed_by_bind(trainer, module) -> dict:
             "optimizer hooks": len(opt._optimizer_load_state_dict_post_hooks),
             "module hooks": len(module._load_state_dict_post_hooks),
             "clip": "clip_grad_by_norm" in trainer.strategy.precision_plugin.__dict__,
-            "lr": sorted({type(pg["lr"]).__name__ for pg in opt.param_groups})}
+            "strategy": sorted(k for k in ("backward", "optimizer_step") if k in trainer.strategy.__dict__),
+            "lr": sorted({"Tensor" if isinstance(pg["lr"], torch.Tensor) else type(pg["lr"]).__name__
+                           for pg in opt.param_groups})}
 
 
 class _SeeBound(pl.Callback):
@@ -685,16 +687,18 @@ class _SeeBound(pl.Callback):
 def test_everything_bind_changed_is_given_back_after_fit_and_after_a_refusal_raised_halfway():
     """unbind undoes, latest first, every change of bind (one ExitStack): the loop's run and result class, the
     optimizer's zero_grad, the load-state-dict hooks, the clipping wrapper, the optimizer's flags. Also when bind
-    raises halfway (fp8_refresh=True on a model without FP8 parameters, after the step was routed), and twice."""
+    raises halfway (fp8_refresh=True on a model without FP8 parameters, after the optimizer was prepared), and twice."""
     seen = _SeeBound()
     g = fit(steps=6, callbacks=[seen], gradient_clip_val=1.0)
     assert g.stats.replays > 0
     assert seen.during == {"loop": ["output_result_cls", "run"], "zero_grad": True, "optimizer hooks": 1,
-                           "module hooks": 1, "clip": True, "lr": ["Tensor"]}, seen.during
+                           "module hooks": 1, "clip": True, "strategy": ["backward", "optimizer_step"],
+                           "lr": ["Tensor"]}, seen.during
     after = _changed_by_bind(g.trainer, g.module)
     assert after == {"loop": [], "zero_grad": False, "optimizer hooks": 0, "module hooks": 0, "clip": False,
-                     "lr": ["float"]}, after
-    assert isinstance(g.cb.step_runner, StepAdapter) and g.cb.step_runner.engine.adapter is g.cb.step_runner
+                     "strategy": [], "lr": ["float"]}, after
+    adapter = g.cb.step_runner.adapter
+    assert isinstance(adapter, StepAdapter) and g.cb.step_runner.engine.adapter is adapter
     g.cb.step_runner.unbind()  # again: nothing left to undo
     assert _changed_by_bind(g.trainer, g.module) == after
     halfway = _SeeBound()
@@ -872,7 +876,7 @@ def test_nan_guard_set_up_when_first_gradients_appear_on_the_sync_checked_warmup
     # slots of a subset), which must not be a host sync. Where it watches the loss, nothing is built there.
     kw = {"gradient_clip_val": 10.0, "gradient_clip_algorithm": "value"} if read == "gradient-read" else {}
     g, e = graphed_and_eager(module_kw={"late_param": True}, steps=10, **kw)
-    assert bool(g.cb.step_runner.guard._checks) == (read == "gradient-read")
+    assert bool(g.cb.step_runner.adapter.guard._checks) == (read == "gradient-read")
     assert g.stats.captures == 1 and g.stats.replays == 6, g.stats.summary()
     assert_same(g, e)
 
@@ -906,7 +910,7 @@ def test_nan_guard_names_the_parameter_when_its_read_comes_long_after_the_bad_st
     assert info.value.parameter == name and " more)" not in str(info.value), str(info.value)
     if clip is None:
         assert "non-finite loss and non-finite gradient or update of parameter" in str(info.value), str(info.value)
-    assert cb.stats.replays >= 8 and not cb.step_runner.guard._checks, cb.stats.summary()
+    assert cb.stats.replays >= 8 and not cb.step_runner.adapter.guard._checks, cb.stats.summary()
 
 
 class _ClipsByValueItself(pl.Callback):
@@ -950,7 +954,27 @@ def test_nan_guard_names_the_parameter_when_gradients_are_clipped(clip):
     assert "global step 4 up to 8" in str(info.value)
     assert cb.stats.replays >= 4, cb.stats.summary()
     # the guard's own gradient read is built only where the clipping norms cannot be used
-    assert bool(cb.step_runner.guard._checks) == (clip not in ("norm", "default")), clip
+    assert bool(cb.step_runner.adapter.guard._checks) == (clip not in ("norm", "default")), clip
+
+
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_the_strategy_reaches_the_nan_guard_at_the_same_points_as_the_callback(clip):
+    """The NaN guard acts where bind routes it into this trainer's step (backward, the closure the optimizer runs,
+    Lightning's clipping by norm), for CudaGraphStrategy as for CudaGraphCallback: the loss watched without clipping,
+    the clipping norms read when clipping by norm, the gradients read before a value clip; the parameter named."""
+    name = "model.blocks.0.mlp.fc.weight"
+    kw = {} if clip is None else {"gradient_clip_val": 0.5, "gradient_clip_algorithm": clip}
+    s = CudaGraphStrategy(SingleDeviceStrategy(device="cpu"), nan_check_every=4)
+    s.step_runner.backend = TapeBackend()
+    with pytest.raises(NonFiniteError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(graphed=False, steps=12, poison_at=7, module_kw={"poison_param": name, "poison_inf": clip == "value"},
+                strategy=s, **kw)
+    assert info.value.parameter == name and " more)" not in str(info.value), str(info.value)
+    assert "global step 4 up to 8" in str(info.value)
+    assert s.stats.replays >= 4, s.stats.summary()
+    assert bool(s.step_runner.adapter.guard._checks) == (clip == "value"), clip
 
 
 def test_clipping_norms_cover_a_step_where_some_parameters_have_no_gradient():
@@ -959,7 +983,7 @@ def test_clipping_norms_cover_a_step_where_some_parameters_have_no_gradient():
     eager training."""
     g, e = graphed_and_eager(module_kw={"late_param": True}, steps=10, gradient_clip_val=0.5)
     assert g.stats.replays == 6, g.stats.summary()
-    assert not g.cb.step_runner.guard._checks
+    assert not g.cb.step_runner.adapter.guard._checks
     assert_same(g, e)
 
 
@@ -1174,7 +1198,7 @@ def test_fast_adam_captures_the_group_scalar_update_and_trains_as_eager_bit_for_
     graphed = fit(module_kw=kw, cb_kw={"fast_adam": True, "sync_check": False, "verify_steps": 2},
                   tape_kw={"sync_in_capture": "bake"})
     assert graphed.stats.replays > 0 and graphed.stats.fast_adam_unused == "" and graphed.stats.verified_steps == 2
-    fast = graphed.cb.step_runner.fast_adam
+    fast = graphed.cb.step_runner.adapter.fast_adam
     if late:
         # the late parameter's counter is one behind its group's from the capture on: that group stays torch's
         assert fast.torch_groups >= 1 and fast.counted_groups >= 1
@@ -1191,7 +1215,7 @@ def test_fast_adam_with_an_lr_scheduler_trains_as_eager_and_gives_the_scheduler_
     kw = {"foreach_adam": True, "sched": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** min(s, 5))}
     eager = fit(graphed=False, module_kw=kw)
     graphed = fit(module_kw=kw, cb_kw={"fast_adam": True, "sync_check": False}, tape_kw={"sync_in_capture": "bake"})
-    assert graphed.cb.step_runner.fast_adam.counted_groups > 0
+    assert graphed.cb.step_runner.adapter.fast_adam.counted_groups > 0
     assert graphed.rec.losses == eager.rec.losses and graphed.rec.lrs == eager.rec.lrs
     # the scheduler tracks optimizer.step() calls through a wrapper on the instance: still there after the captures
     assert hasattr(graphed.trainer.optimizers[0].__dict__.get("step"), "_wrapped_by_lr_sched")
@@ -1200,19 +1224,19 @@ def test_fast_adam_with_an_lr_scheduler_trains_as_eager_and_gives_the_scheduler_
 def test_fast_adam_is_on_by_default(capturable_on_cpu):
     run = fit(module_kw={"foreach_adam": True}, cb_kw={"sync_check": False}, tape_kw={"sync_in_capture": "bake"})
     assert run.stats.replays > 0 and run.stats.fast_adam_unused == ""
-    assert run.cb.step_runner.fast_adam.counted_groups == 2 * run.stats.captures
+    assert run.cb.step_runner.adapter.fast_adam.counted_groups == 2 * run.stats.captures
 
 
 def test_fast_adam_says_nothing_about_an_optimizer_that_is_not_adam(caplog):
     with caplog.at_level("INFO"):
         run = fit(module_kw={"sgd": True})
-    assert run.stats.replays > 0 and run.cb.step_runner.fast_adam is None
+    assert run.stats.replays > 0 and run.cb.step_runner.adapter.fast_adam is None
     assert run.stats.fast_adam_unused == "" and "fast_adam" not in run.stats.summary() + caplog.text
 
 
 def test_fast_adam_on_a_fused_adamw_says_why_it_keeps_the_optimizers_step(caplog):
     with caplog.at_level("INFO"):
         run = fit(cb_kw={"fast_adam": True})
-    assert run.stats.replays > 0 and run.cb.step_runner.fast_adam.counted_groups == 0
+    assert run.stats.replays > 0 and run.cb.step_runner.adapter.fast_adam.counted_groups == 0
     assert "param group 0 is not capturable multi-tensor Adam (fused)" in run.stats.fast_adam_unused
     assert "fast_adam unused: param group 0" in run.stats.summary()

@@ -166,6 +166,8 @@ CASES = {
     "adam-amsgrad-maximize": ({"cls": torch.optim.Adam, "foreach": True, "amsgrad": True}, {}),
     "adamw-foreach-clip": ({"foreach": True}, {"gradient_clip_val": 0.5}),
     "adamw-foreach-accumulate": ({"foreach": True}, {"accumulate_grad_batches": 2}),
+    "adamw-foreach-bf16-true": ({"foreach": True}, {"precision": "bf16-true"}),
+    "adam-for-loop-amsgrad-bf16-true": ({"cls": torch.optim.Adam, "amsgrad": True}, {"precision": "bf16-true"}),
 }
 
 
@@ -302,6 +304,45 @@ def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted, from_v
             assert not torch.equal(want, two_roundings)  # the data tells an FMA from a multiply and an add
 
 
+def test_the_eager_tail_and_scale_kernels_on_bf16_round_each_operation_as_torchs_cuda_kernels(interpreted):
+    from nemo_cudagraph_plugin.core import adam_tail
+    from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
+    from nemo_cudagraph_plugin.core.user_sgd import fma_f32
+
+    adam_tail._scale_kernel.cache_clear()
+    g = torch.Generator().manual_seed(2)
+    sizes = [1, 31, 32, 33, 100, 2000]
+    ps = [(torch.randn(n, generator=g) * 1e-1).bfloat16() for n in sizes]
+    ms = [(torch.randn(n, generator=g) * 1e-2).bfloat16() for n in sizes]
+    vs = [(torch.rand(n, generator=g) * 1e-4 + 1e-12).bfloat16() for n in sizes]
+    step_size = torch.tensor([-5.2631e-2, -1e-1, -3.3e-2, -2e-1, -7.1e-2, -1e-1], dtype=torch.float32)
+    bc2s = torch.tensor([0.0447, 0.1, 0.3, 0.99, 0.5, 0.7], dtype=torch.float32)
+    before = [p.clone() for p in ps]
+    tail = EagerAdamTail(block=16, iters=2, num_warps=1)
+    tail(ps, ms, vs, bc2s, step_size, 1e-8, from_v=True)
+    bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731  (a float32 result stored as BFloat16)
+    eps = torch.tensor(1e-8, dtype=torch.float32)
+    for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
+        # _foreach_sqrt, _foreach_div_ by the float32 scalar, _foreach_add_(eps): float32 each, stored as BFloat16
+        d = bf(bf(bf(v.float().sqrt()) / bc2s[j]) + eps)
+        q = m.float() / d
+        want = fma_f32(step_size[j].expand_as(q), q, p0.float()).to(torch.bfloat16)  # addcdiv: one FMA, then stored
+        assert torch.equal(p, want), f"tensor {j}: {(p != want).sum()} elements differ"
+        if j == len(sizes) - 1:  # the data tells the intermediate roundings apart from a float32 denominator
+            d32 = v.float().sqrt() / bc2s[j] + eps
+            assert not torch.equal(want, fma_f32(step_size[j].expand_as(q), m.float() / d32, p0.float()).bfloat16())
+    factor = torch.tensor(1 - 3.7e-2 * 0.1, dtype=torch.float64).to(torch.float32)
+    before = [p.clone() for p in ps]
+    tail.scale(ps, factor)
+    adam_tail._scale_kernel.cache_clear()
+    for p, p0 in zip(ps, before):  # torch's mul_ of BFloat16 by a Python float: float32 product, stored once
+        assert torch.equal(p, (p0.float() * factor).bfloat16())
+        assert torch.equal(p, p0.clone().mul_(float(factor)))
+    assert not torch.equal(ps[-1], before[-1])
+    # what CUDA's mul_ with a float32 0-d tensor computes (the factor rounded to BFloat16 first) differs
+    assert not torch.equal(ps[-1], (before[-1].float() * factor.bfloat16().float()).bfloat16())
+
+
 def test_the_for_loop_update_on_cuda_is_left_to_the_capturable_math_and_says_why(monkeypatch):
     from nemo_cudagraph_plugin.core import user_adam
     from nemo_cudagraph_plugin.core.user_adam import why_not
@@ -310,3 +351,38 @@ def test_the_for_loop_update_on_cuda_is_left_to_the_capturable_math_and_says_why
     p = nn.Parameter(torch.ones(4))
     assert "for-loop update (foreach=False)" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
     assert why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cpu") is None
+
+
+@pytest.mark.parametrize("cls,foreach,amsgrad,maximize,wd", [
+    (cls, fe, ams, mx, wd) for cls, fe, ams, mx, wd in itertools.product(
+        (torch.optim.AdamW, torch.optim.Adam), (True, False), (False, True), (False, True), (0.0, 0.1))])
+def test_the_update_of_bf16_parameters_is_the_users_eager_step_bit_for_bit(cls, foreach, amsgrad, maximize, wd):
+    # torch's update of BFloat16 tensors computes each operation in float32 with the Python scalars converted to
+    # float32, and rounds each result to BFloat16: the scalars read from the device must reach the same float32
+    a, b = _model().to(torch.bfloat16), _model().to(torch.bfloat16)
+    kw = dict(lr=LR, betas=(0.9, 0.95), weight_decay=wd, foreach=foreach, amsgrad=amsgrad, maximize=maximize)
+    ref, opt = cls(a.parameters(), **kw), cls(b.parameters(), **kw)
+    assert user_adam.why_not(opt, "cpu") is None
+    user = UserMathAdam(opt, torch.device("cpu"))
+    user.install()
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    for i in range(20):
+        for m, o in ((a, ref), (b, opt)):
+            o.zero_grad()
+            m(x * (1 + i % 3)).float().square().mean().backward()
+            for g in o.param_groups:
+                g["lr"] = LR * 0.97 ** i
+        user.sync()
+        ref.step()
+        opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert not torch.equal(next(a.parameters()), next(_model().to(torch.bfloat16).parameters()))  # it trained
+    user.remove()
+
+
+def test_mixed_parameter_dtypes_keep_the_capturable_math_and_say_why():
+    opt = torch.optim.AdamW([nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4, dtype=torch.bfloat16))], lr=LR)
+    assert "mix dtypes" in user_adam.why_not(opt, "cpu")
+    half = torch.optim.AdamW([nn.Parameter(torch.ones(4, dtype=torch.float16))], lr=LR)
+    assert "not a float32 or bfloat16 cpu tensor" in user_adam.why_not(half, "cpu")

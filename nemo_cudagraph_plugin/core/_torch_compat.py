@@ -36,8 +36,11 @@ __all__ = [
     "adam_functional",
     "adam_init_group",
     "adam_step_is_torchs",
-    "adam_default_foreach",
+    "runs_foreach",
+    "plain_torch_function",
     "mark_step_called",
+    "sgd_init_group",
+    "sgd_step_is_torchs",
     "autocast_cache_disabled",
     "autocast_state",
 ]
@@ -132,6 +135,8 @@ def returns_alias(func: Any) -> bool:
 # torch versions whose ``Adam.step``, ``Adam._init_group`` and capturable multi-tensor update
 # (``torch/optim/adam.py``: ``_multi_tensor_adam``) have the shape ``core/adam_step.py`` mirrors: the same
 # operations in the same order, read from the sources of 2.11 (the GPU host) and 2.13 (CI) (2.12 lies between).
+# ``core/user_sgd.py`` mirrors ``SGD.step`` (``torch/optim/sgd.py``: ``_multi_tensor_sgd``, ``_single_tensor_sgd``)
+# over the same range.
 ADAM_STEP_SHAPE = (Version("2.11.0"), Version("2.13.99"))
 
 
@@ -141,6 +146,19 @@ def adam_step_is_torchs(optimizer: torch.optim.Optimizer) -> bool:
 
     mine = inspect.unwrap(type(optimizer).step)  # torch wraps ``step`` with its hook runner per class
     return mine is inspect.unwrap(torch.optim.Adam.step)
+
+
+def sgd_step_is_torchs(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s class runs torch's own ``SGD.step`` (a subclass may override it)."""
+    import inspect
+
+    return inspect.unwrap(type(optimizer).step) is inspect.unwrap(torch.optim.SGD.step)
+
+
+def sgd_init_group(optimizer: Any, group: dict, params: list, grads: list, momentum_buffer_list: list) -> bool:
+    """torch's ``SGD._init_group``: fills the lists for the parameters that have a gradient (momentum buffers only
+    where ``momentum != 0``, ``None`` before their first step); returns whether a gradient is sparse."""
+    return optimizer._init_group(group, params, grads, momentum_buffer_list)
 
 
 def adam_init_group(optimizer: Any, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
@@ -166,12 +184,21 @@ def adam_functional(optimizer: Any, group: dict, params: list, grads: list, exp_
     )
 
 
-def adam_default_foreach(params: list) -> bool:
-    """Whether torch's ``adam()`` runs its multi-tensor update for a group with ``foreach=None, fused=None`` (and a
-    float ``lr``): torch's own default (CUDA tensors: yes; CPU: its for-loop update)."""
+def runs_foreach(group: dict, params: list) -> bool:
+    """Whether torch's ``adam()``/``sgd()`` run their multi-tensor update for a non-fused group with a float ``lr``:
+    ``foreach`` as set; unset with ``fused`` unset too, torch's default (CUDA tensors: yes; CPU: its for-loop update);
+    unset with ``fused=False``, the for-loop update."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
-    return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
+    foreach = group.get("foreach")
+    if foreach is None and group.get("fused") is None:
+        return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
+    return bool(foreach)
+
+
+#: a ``Tensor`` subclass's ``__torch_function__`` that makes every operation treat it as a plain tensor (its results are
+#: plain tensors)
+plain_torch_function = torch._C._disabled_torch_function_impl
 
 
 def mark_step_called(optimizer: Any) -> None:

@@ -86,13 +86,16 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda") -> Opti
     return None
 
 
-def plain_float32_params(i: int, group: dict, device_type: str, devices: set) -> Optional[str]:
-    """Why param group ``i`` holds a parameter other than a plain float32 tensor on ``device_type`` (``None``: it
-    holds none); the devices seen are added to ``devices``."""
+def plain_float32_params(i: int, group: dict, device_type: str, devices: set,
+                         dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Optional[str]:
+    """Why param group ``i`` holds a parameter other than a plain tensor of ``dtypes`` (float32) on ``device_type``
+    (``None``: it holds none); the devices and dtypes seen are added to ``devices`` (``(device, dtype)`` pairs where
+    more than one dtype is allowed)."""
+    allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
     for p in group["params"]:
-        if p.dtype != torch.float32 or p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
-            return f"param group {i} holds a parameter that is not a float32 {device_type} tensor ({p.dtype}, {p.device})"
-        devices.add(p.device)
+        if p.dtype not in dtypes or p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
+            return f"param group {i} holds a parameter that is not a {allowed} {device_type} tensor ({p.dtype}, {p.device})"
+        devices.add(p.device if len(dtypes) == 1 else (p.device, p.dtype))
     return None
 
 

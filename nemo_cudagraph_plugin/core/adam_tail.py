@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .finite import capturing
 
-__all__ = ["EagerAdamTail", "FusedAdamTail", "tail_applies"]
+__all__ = ["EagerAdamTail", "EagerSgdTail", "FusedAdamTail", "tail_applies"]
 
 # Elements per load and loads per program: 16 KiB of each of the three tensors per program.
 BLOCK, ITERS, NUM_WARPS = 1024, 4, 4
@@ -85,9 +85,14 @@ def _eager_kernel() -> Any:
     # FROM_V: the multi-tensor denominator ``_foreach_sqrt`` (``sqrtf``), ``_foreach_div_`` by the ScalarList (IEEE
     # division by the float32 scalar), ``_foreach_add_(eps)`` (float32 add) computed here from ``v``; otherwise the
     # third tensor is the denominator itself (the for-loop path computes it with torch's operations).
+    # BFloat16 tensors (ROUND): each operation computes in float32 (opmath) and stores BFloat16, so the multi-tensor
+    # denominator is rounded to BFloat16 after the square root, the division and the add, and the parameter once
+    # after the FMA. RNE: round to nearest even as c10's float -> BFloat16 conversion, on the float32's bits (add
+    # 0x7FFF plus the lowest kept bit, clear the low half; NaN kept), the same on a GPU and in Triton's interpreter
+    # (whose float32 -> bfloat16 cast truncates); the final cast is then exact.
     @triton.jit(do_not_specialize=["n_tensors"])
     def eager_adam_tail_kernel(table, n_tensors, bc2s_ptr, step_size_ptr, eps, ref, FROM_V: tl.constexpr,
-                               BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                               ROUND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         c = tl.program_id(0)
         t = tl.load(table + 5 * n_tensors + c)
         p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
@@ -100,20 +105,101 @@ def _eager_kernel() -> Any:
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
-            d = tl.load(x + offs, mask=mask, other=1.0)
+            d = tl.load(x + offs, mask=mask, other=1.0).to(tl.float32)
             if FROM_V:
-                d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
-            q = tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0), d)
-            tl.store(p + offs, tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0)), mask=mask)
+                if ROUND:  # each rounded to BFloat16 as the bits of a float32 (see RNE below)
+                    d = tl.math.sqrt_rn(d)
+                    u = d.to(tl.uint32, bitcast=True)
+                    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                    d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+                    d = tl.math.div_rn(d, bc2s)
+                    u = d.to(tl.uint32, bitcast=True)
+                    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                    d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+                    d = d + eps
+                    u = d.to(tl.uint32, bitcast=True)
+                    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                    d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+                else:
+                    d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
+            q = tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0).to(tl.float32), d)
+            new = tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0).to(tl.float32))
+            if ROUND:
+                u = new.to(tl.uint32, bitcast=True)
+                u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                new = tl.where(new != new, new, u.to(tl.float32, bitcast=True)).to(tl.bfloat16)  # exact now
+            tl.store(p + offs, new, mask=mask)
 
     return eager_adam_tail_kernel
 
 
-def tail_applies(*lists: Sequence[Tensor]) -> bool:
-    """Whether the kernel can take these tensors: float32, contiguous, 16-byte aligned, non-empty, one device."""
-    device = lists[0][0].device if lists and lists[0] else None
-    return all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0 and t.data_ptr() % 16 == 0
-               and t.device == device for ts in lists for t in ts)
+@functools.lru_cache(maxsize=1)
+def _sgd_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # torch's non-capturable SGD ends with ``_foreach_add_(params, grads, alpha=-lr)`` (multi-tensor) or
+    # ``param.add_(grad, alpha=-lr)`` (for-loop), ``lr`` a Python float. Both CUDA kernels convert ``alpha`` to float32
+    # (opmath) and compute ``p + alpha * g`` (``BinaryOpListAlphaFunctor``; the ufunc ``add``), which nvcc contracts
+    # into one FMA: one rounding, mirrored by ``fma``. Here ``alpha`` is read from device memory (one float32 per
+    # launch: a param group's).
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def eager_sgd_tail_kernel(table, n_tensors, alpha_ptr, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        c = tl.program_id(0)
+        t = tl.load(table + 5 * n_tensors + c)
+        p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+        g = tl.multiple_of(tl.load(table + n_tensors + t).to(ref.dtype), 16)
+        numel = tl.load(table + 3 * n_tensors + t)
+        start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)
+        alpha = tl.load(alpha_ptr)
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < numel
+            x = tl.load(p + offs, mask=mask, other=0.0)
+            tl.store(p + offs, tl.math.fma(tl.load(g + offs, mask=mask, other=0.0), alpha, x), mask=mask)
+
+    return eager_sgd_tail_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _scale_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # ``_foreach_mul_(params, f)`` with a Python float ``f`` on BFloat16 tensors (this kernel takes those only): ``f`` converted to float32 (opmath),
+    # ``float32(p) * f`` rounded to float32, then to BFloat16 (round to nearest even). Here ``f`` is read from the
+    # device (torch's own ``_foreach_mul_`` with a float32 0-d tensor would first round it to BFloat16).
+    @triton.jit(do_not_specialize=["n_tensors"])
+    def scale_kernel(table, n_tensors, factor_ptr, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        c = tl.program_id(0)
+        t = tl.load(table + 5 * n_tensors + c)
+        p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
+        numel = tl.load(table + 3 * n_tensors + t)
+        start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)
+        f = tl.load(factor_ptr)
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < numel
+            x = tl.load(p + offs, mask=mask, other=0.0).to(tl.float32) * f
+            u = x.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # RNE, as in the Adam tail
+            tl.store(p + offs, tl.where(x != x, x, u.to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+
+    return scale_kernel
+
+
+#: parameter dtypes the eager-math kernels take (one per launch)
+TAIL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def tail_applies(*lists: Sequence[Tensor], dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether the kernel can take these tensors: one dtype of ``dtypes``, contiguous, 16-byte aligned, non-empty,
+    one device."""
+    first = lists[0][0] if lists and lists[0] else None
+    if first is None or first.dtype not in dtypes:
+        return False
+    return all(t.dtype == first.dtype and t.is_contiguous() and t.numel() > 0 and t.data_ptr() % 16 == 0
+               and t.device == first.device for ts in lists for t in ts)
 
 
 class FusedAdamTail:
@@ -126,7 +212,7 @@ class FusedAdamTail:
     def __init__(self, block: int = BLOCK, iters: int = ITERS, num_warps: int = NUM_WARPS) -> None:
         self.block, self.iters, self.num_warps = block, iters, num_warps
         self._kept: list[tuple[Tensor, Tensor]] = []  # the tables of captured launches (host source, device copy)
-        self._warm: set[torch.device] = set()
+        self._warm: set[Any] = set()
 
     def _table(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                exp_avg_sqs: Sequence[Tensor]) -> tuple[Tensor, int]:
@@ -182,16 +268,46 @@ class EagerAdamTail(FusedAdamTail):
                  bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float, from_v: bool = True) -> None:
         table, programs = self._table(params, exp_avgs, third)
         _eager_kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps),
-                                     params[0].detach(), FROM_V=from_v, BLOCK=self.block, ITERS=self.iters,
-                                     num_warps=self.num_warps)
+                                     params[0].detach(), FROM_V=from_v, ROUND=params[0].dtype == torch.bfloat16,
+                                     BLOCK=self.block, ITERS=self.iters, num_warps=self.num_warps)
+
+    def scale(self, params: Sequence[Tensor], factor: Tensor) -> None:
+        """``p *= factor`` for BFloat16 ``params`` as torch's ``_foreach_mul_`` with a Python float computes it,
+        ``factor`` a float32 0-d device tensor (see :func:`_scale_kernel`)."""
+        table, programs = self._table(params, params, params)
+        _scale_kernel()[(programs,)](table, len(params), factor, params[0].detach(), BLOCK=self.block,
+                                     ITERS=self.iters, num_warps=self.num_warps)
+
+    def warm(self, device: torch.device, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> None:
+        """Compile the variants for parameters of ``dtypes`` before any capture on ``device``."""
+        if (device, tuple(dtypes)) in self._warm:
+            return
+        for dtype in dtypes:
+            p, m, v = (torch.ones(64, dtype=dtype, device=device) for _ in range(3))
+            one = torch.ones(1, dtype=torch.float32, device=device)
+            for from_v in (True, False):
+                self([p], [m], [v], one, one, 1e-8, from_v=from_v)
+            if dtype == torch.bfloat16:
+                self.scale([p], one.reshape(()))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._warm.add((device, tuple(dtypes)))
+
+
+class EagerSgdTail(FusedAdamTail):
+    """The last operation of torch's SGD update, ``p += alpha * g`` with ``alpha = float32(-lr)`` read from the device,
+    rounded as torch's CUDA ``add`` with ``alpha`` rounds it (one FMA, see :func:`_sgd_kernel`)."""
+
+    def __call__(self, params: Sequence[Tensor], grads: Sequence[Tensor], alpha: Tensor) -> None:  # type: ignore[override]
+        table, programs = self._table(params, grads, grads)
+        _sgd_kernel()[(programs,)](table, len(params), alpha, params[0].detach(), BLOCK=self.block, ITERS=self.iters,
+                                   num_warps=self.num_warps)
 
     def warm(self, device: torch.device) -> None:
         if device in self._warm:
             return
-        p, m, v = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(3))
-        one = torch.ones(1, dtype=torch.float32, device=device)
-        for from_v in (True, False):
-            self([p], [m], [v], one, one, 1e-8, from_v=from_v)
+        p, g = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(2))
+        self([p], [g], torch.ones((), dtype=torch.float32, device=device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self._warm.add(device)

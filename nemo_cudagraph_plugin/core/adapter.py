@@ -1,7 +1,7 @@
 """What the engine asks of the framework that hands it a training step: one adapter object.
 
 :class:`StepAdapter` is the whole interface between :class:`~.engine.CaptureEngine` and a framework adapter (the
-Lightning runner implements it). The engine asks the adapter for each member when it needs it: ``after_replay`` after
+Lightning adapter, ``lightning/adapter.py``, implements it). The engine asks the adapter for each member when it needs it: ``after_replay`` after
 every replay, the rest at capture, on address checks and around ``verify_steps``; the list of ``guards`` is read
 once, when the engine is built. :class:`StepFunctions` builds an adapter from plain functions, for
 framework-free use.

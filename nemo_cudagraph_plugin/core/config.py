@@ -94,15 +94,18 @@ class CaptureConfig:
             the end-of-fit summary says why (other optimizers are not concerned). Eager steps always run torch's
             step. ``False``: torch's own capturable update is captured. Not used where ``optimizer_math="eager"``
             captures the user's own update.
-        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor or for-loop, ``amsgrad``,
-            ``maximize``, weight decay, float ``lr``; float32 parameters; Triton on CUDA) keeps its own settings and its
-            own non-capturable update is captured, with the scalars its Python computes on the host (bias corrections,
-            step size, decay factor) read from the device as the same float64 numbers: graphed training gives the bits
-            of your own eager run (:mod:`nemo_cudagraph_plugin.core.user_adam`). Other optimizers and settings (fused
-            Adam, tensor ``lr``, ``nan_action="skip"``, SGD) get the capturable preparation and ``stats.optimizer_math``
-            says so. ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device
-            tensor, bias corrections computed on the device in float32): bitwise equal to eager training with that
-            preparation, about 1e-4 relative from your own run.
+        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor, ``amsgrad``, ``maximize``, weight
+            decay, float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) or ``torch.optim.SGD`` (multi-tensor or
+            for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``, float ``lr``; float32 parameters; Triton
+            on CUDA) keeps its own settings and its own non-capturable update is captured, with the scalars its Python
+            computes on the host (Adam's bias corrections, step size and decay factor; the ``lr`` of both) read from
+            the device as the same float64 numbers and rounded where torch's kernels round them
+            (:mod:`nemo_cudagraph_plugin.core.user_adam`, :mod:`nemo_cudagraph_plugin.core.user_sgd`). Other optimizers
+            and settings (fused Adam/AdamW/SGD, tensor ``lr``, ``nan_action="skip"``, the for-loop Adam on CUDA) get
+            the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step,
+            ``stats.optimizer_math_gap`` by how much. ``"capturable"``: always the capturable preparation
+            (``capturable=True``, ``lr`` a float32 device tensor, bias corrections computed on the device in float32):
+            bitwise equal to eager training with that preparation, about 1e-4 relative from your own run.
         scope: what is graphed. ``"step"``: the whole step, or (a step that cannot be captured whole)
             ``on_capture_error``'s refusal or eager training. ``"modules"``: partial graphs always: the forward and
             backward of the largest submodules that capture are graphs (static inputs and outputs, an
@@ -328,6 +331,10 @@ class CaptureStats:
     fast_adam_unused: str = ""
     #: why the graphed optimizer update is not your optimizer's own eager update ("" when it is)
     optimizer_math: str = ""
+    #: where it is not, by how much, measured by the first ``verify_steps`` comparison (the step run once more with your
+    #: optimizer's own settings): ``(max |graphed - yours|, that over the parameter's largest |yours|)`` of the
+    #: parameters after that step; ``None``: not measured
+    optimizer_math_gap: Optional[tuple[float, float]] = None
     #: the partial tier's graphs and islands (``None``: the partial tier did not run)
     partial: Optional[PartialStats] = None
 
@@ -352,6 +359,18 @@ class CaptureStats:
             + (f"; peak memory {self.peak_bytes / 2**30:.2f} GiB, {self.peak_over_eager:.3f}x the eager warm-up's"
                f" {self.peak_eager_bytes / 2**30:.2f} GiB" if self.peak_over_eager is not None else "")
             + (f"; fast_adam unused: {self.fast_adam_unused}" if self.fast_adam_unused else "")
-            + (f"; optimizer math differs from your eager step: {self.optimizer_math}" if self.optimizer_math else "")
+            + (f"; {self.optimizer_math_text()}" if self.optimizer_math else "")
             + (f"; {self.partial.summary()}" if self.partial is not None else "")
         )
+
+    def optimizer_math_text(self) -> str:
+        """That the graphed optimizer math differs from your eager step, why, and by how much (``""`` where it does
+        not): the end-of-fit summary's words."""
+        if not self.optimizer_math:
+            return ""
+        text = f"optimizer math differs from your eager step: {self.optimizer_math}"
+        if self.optimizer_math_gap is None:
+            return text + " (verify_steps >= 1 measures by how much)"
+        gap_abs, gap_rel = self.optimizer_math_gap
+        return (text + f"; after one verified step the parameters differ from your own step's by up to {gap_abs:.3g}"
+                f" ({gap_rel:.3g} of the parameter's largest magnitude)")

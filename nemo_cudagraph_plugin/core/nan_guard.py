@@ -366,19 +366,23 @@ class NanPolicy:
 
     @classmethod
     def from_config(cls, config: CaptureConfig, named_params: Sequence[tuple[str, Tensor]], device: torch.device,
-                    stats: Any, *, one_process: bool, step: Callable[[], int],
-                    checked_at: int = 0) -> Optional[NanPolicy]:
+                    stats: Any, *, one_process: bool, step: Callable[[], int], checked_at: int = 0,
+                    framework_clipping: bool = False) -> Optional[NanPolicy]:
         """The guard and policy ``config`` asks for (``nan_guard``, ``nan_action``, ``nan_check_every``); ``None``
         for ``nan_guard=False``. The loss may be watched where its reads can then scan the parameters: plain tensors
         (not FP8 or distributed tensor subclasses), a bad gradient kept in its own parameter (``one_process``: no
-        all-reduce mixing them), and nothing skipped (``nan_action="raise"``)."""
+        all-reduce mixing them), and nothing skipped (``nan_action="raise"``). ``framework_clipping``: the framework's
+        own clipping by norm runs (not a user override), so its norms may stand in for a read (``may_defer``) where
+        :attr:`can_read_clipping_norms`; the framework then routes that clipping through :meth:`clip_by_norm`."""
         mode = config.nan_mode
         if mode == "off":
             return None
         may_watch = (mode == "full" and not config.nan_skips and one_process
                      and all(type(p.data) is Tensor for _, p in named_params))
-        return cls(NanGuard(named_params, device, mode), config.nan_action, config.nan_check_every, stats,
-                   may_watch=may_watch, step=step, checked_at=checked_at)
+        policy = cls(NanGuard(named_params, device, mode), config.nan_action, config.nan_check_every, stats,
+                     may_watch=may_watch, step=step, checked_at=checked_at)
+        policy.may_defer = framework_clipping and policy.can_read_clipping_norms
+        return policy
 
     @property
     def can_read_clipping_norms(self) -> bool:

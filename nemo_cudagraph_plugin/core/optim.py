@@ -14,10 +14,11 @@ What is changed, per param group, until :meth:`OptimizerPrep.restore`:
   device when ``optimizer.found_inf`` is set.
 
 With ``math="eager"`` (the default of ``CaptureConfig.optimizer_math``), a torch Adam/AdamW that
-:func:`.user_adam.why_not` accepts keeps its own settings and float ``lr`` instead: its own non-capturable update
-is captured with the host's scalars read from the device (:mod:`.user_adam`), so graphed steps give the bits of
-the user's eager steps. Anything else gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs`
-says why.
+:func:`.user_adam.why_not` accepts, or an SGD that :func:`.user_sgd.why_not` accepts, keeps its own settings and
+float ``lr`` instead: its own non-capturable update is captured with the host's scalars read from the device
+(:mod:`.user_adam`, :mod:`.user_sgd`), so graphed steps give the bits of the user's eager steps. Anything else
+gets the capturable preparation above, and :attr:`OptimizerPrep.math_differs` says why; with ``verify_steps``,
+:meth:`OptimizerPrep.users_step` lets the first verified step measure by how much (``stats.optimizer_math_gap``).
 
 Any other scalar hyperparameter (``weight_decay``, ``eps``, SGD ``momentum``...) stays a float:
 :meth:`OptimizerPrep.changed_scalars` reports a change so the engine can re-capture.
@@ -26,14 +27,21 @@ Any other scalar hyperparameter (``weight_decay``, ``eps``, SGD ``momentum``...)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from . import user_adam
-from ._torch_compat import check_torch_version, clear_found_inf, quiet_uncaptured_capturable, set_found_inf
+from . import user_adam, user_sgd
+from ._torch_compat import (
+    check_torch_version,
+    clear_found_inf,
+    plain_torch_function,
+    quiet_uncaptured_capturable,
+    set_found_inf,
+)
+from .user_step import UserStep
 
 __all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state"]
 
@@ -171,7 +179,7 @@ class OptimizerPrep:
         self.step_count = step_count
         self.device_type = device_type or device.type
         #: the user's own update, captured (``math="eager"`` where it applies), else ``None``
-        self.user: Optional[user_adam.UserMathAdam] = None
+        self.user: Optional[UserStep] = None
         #: why the graphed update is not the user's own (``""`` when it is)
         self.math_differs = ""
         self.optimizer = optimizer
@@ -213,13 +221,13 @@ class OptimizerPrep:
             if lr_t:
                 lr = group["lr"]
                 if not (isinstance(lr, Tensor) and lr.device == self.device and lr.dtype == torch.float32):
-                    group["lr"] = torch.tensor(_to_float(lr), dtype=torch.float32, device=self.device)
+                    group["lr"] = _Assigned.make(_to_float(lr), self.device)
                 self._live.append((group, "lr", group["lr"]))
             if betas_t and "betas" in group:
                 b1, b2 = group["betas"]
                 group["betas"] = tuple(
                     b if isinstance(b, Tensor) and b.device == self.device else
-                    torch.tensor(_to_float(b), dtype=torch.float32, device=self.device)
+                    _Assigned.make(_to_float(b), self.device)
                     for b in (b1, b2)
                 )
                 self._live.append((group, "betas", group["betas"]))
@@ -242,14 +250,16 @@ class OptimizerPrep:
         if self.user is not None:  # a re-apply (load_state_dict, a group added): counters and tables read again
             self.user.remove()
             self.user = None
-        why = user_adam.why_not(opt, self.device_type, self.skip_nonfinite)
+        sgd = isinstance(opt, torch.optim.SGD)
+        why = (user_sgd if sgd else user_adam).why_not(opt, self.device_type, self.skip_nonfinite)
         if why is not None:
             self.math_differs = f"the plugin's capturable update of {type(opt).__name__} is captured ({why})"
             return False
         for i, group in enumerate(opt.param_groups):
             if i == len(self._saved):
                 self._saved.append({k: group[k] for k in ("lr", "betas", "capturable", "fused", "foreach") if k in group})
-        self.user = user_adam.UserMathAdam(opt, self.device, self.step_count)
+        self.user = (user_sgd.UserMathSGD(opt, self.device) if sgd
+                     else user_adam.UserMathAdam(opt, self.device, self.step_count))
         self.user.install()
         self._live = []
         self.math_differs = ""
@@ -353,10 +363,76 @@ class OptimizerPrep:
         return out
 
 
+    def users_step(self) -> Optional[contextlib.AbstractContextManager]:
+        """Where the graphed update is not the user's own (:attr:`math_differs`): a context in which the optimizer runs
+        with the user's settings (their ``capturable``/``fused``/``foreach``, float ``lr``/``betas`` as their code last
+        assigned them, no ``found_inf``), to measure how far the graphed math is from their step (``verify_steps``).
+        ``None`` where the graphed update is theirs."""
+        if self.user is not None or not self.applied or not self.math_differs:
+            return None
+        return self._users_settings()
+
+    @contextlib.contextmanager
+    def _users_settings(self) -> Iterator[None]:
+        opt = self.optimizer
+        swapped: list[tuple[dict, dict[str, Any]]] = []
+        for group, saved in zip(opt.param_groups, self._saved):
+            swapped.append((group, {k: group[k] for k in saved}))
+            for k, v in saved.items():
+                if k in ("lr", "betas") and not _has_tensor(v):  # the floats the user's code last wrote
+                    v = tuple(_users_float(x) for x in group[k]) if k == "betas" else _users_float(group[k])
+                group[k] = v
+        found_inf = self.found_inf
+        if found_inf is not None:
+            clear_found_inf(opt, found_inf)
+        try:
+            yield
+        finally:
+            for group, prepared in swapped:
+                group.update(prepared)
+            if found_inf is not None:
+                set_found_inf(opt, found_inf)
+
     def reference_step(self) -> contextlib.AbstractContextManager:
         """Inside the block the optimizer runs the user's own eager step (``verify_steps``' reference): torch's own
         ``step`` where the user's update is captured; elsewhere the prepared eager step (the graphed math)."""
         return self.user.torchs_step() if self.user is not None else contextlib.nullcontext()
+
+
+class _Assigned(Tensor):
+    """A hyperparameter's float32 device tensor (a plain tensor to every operation) that remembers the Python number
+    last written into it with ``fill_`` (by an LR scheduler, or by :meth:`OptimizerPrep.sync_hyperparams` copying a
+    float the user's code assigned): the user's double, of which the tensor holds the float32 rounding."""
+
+    __torch_function__ = plain_torch_function
+
+    @classmethod
+    def make(cls, value: float, device: torch.device) -> _Assigned:
+        t = torch.tensor(value, dtype=torch.float32, device=device).as_subclass(cls)
+        t.assigned = value
+        return t
+
+    def fill_(self, value: Any) -> Tensor:  # type: ignore[override]
+        self.assigned = value if not isinstance(value, Tensor) else None
+        return super().fill_(value)
+
+    # Copies and pickles (a deep-copied or saved state_dict) are plain tensors: nothing needs this class to load them.
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        out = memo[id(self)] = Tensor.clone(self)
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return Tensor.clone(self).__reduce_ex__(protocol)
+
+
+def _users_float(v: Any) -> Any:
+    """The user's number behind ``v``: the double last written into one of our tensors, else ``v`` as a float."""
+    assigned = getattr(v, "assigned", None) if isinstance(v, _Assigned) else None
+    return float(assigned) if assigned is not None else _to_float(v)
+
+
+def _has_tensor(v: Any) -> bool:
+    return isinstance(v, Tensor) or (isinstance(v, tuple) and any(isinstance(x, Tensor) for x in v))
 
 
 def _group_index(optimizer: torch.optim.Optimizer, group: dict) -> int:

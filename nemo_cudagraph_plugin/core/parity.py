@@ -56,21 +56,32 @@ class StepParity:
         extra = [(t, t.detach().clone()) for t in self.adapter.mutable_tensors()]
         restore_host = self.adapter.host_state()
         grads = [(p, p.grad) for _, p in named_params]  # eager zero_grad may set them to None
+
+        def eager(context: contextlib.AbstractContextManager) -> tuple[dict[str, float], list[Tensor]]:
+            """The step run eagerly in ``context``: its metrics and parameters after it; then everything undone."""
+            with context, WriteRecorder() as rec:
+                out = quiet_fn(batch)
+            vals = _metrics(out, named_params)
+            post = [p.detach().clone() for _, p in named_params]
+            rec.restore()
+            for p, g in grads:
+                p.grad = g
+            with torch.no_grad():
+                for t, v in extra:
+                    t.copy_(v)
+            self.generators.set_states(gens)
+            be.set_rng_state(rng, self.device)
+            restore_host()
+            return vals, post
+
         # The adapter's reference_step (optional): the eager half runs the user's own optimizer step in it.
         reference = getattr(self.adapter, "reference_step", None)
-        with reference() if reference is not None else contextlib.nullcontext(), WriteRecorder() as rec:
-            out_eager = quiet_fn(batch)
-        eager_vals = _metrics(out_eager, named_params)
-        post_eager = [p.detach().clone() for _, p in named_params]
-        rec.restore()
-        for p, g in grads:
-            p.grad = g
-        with torch.no_grad():
-            for t, v in extra:
-                t.copy_(v)
-        self.generators.set_states(gens)
-        be.set_rng_state(rng, self.device)
-        restore_host()
+        eager_vals, post_eager = eager(reference() if reference is not None else contextlib.nullcontext())
+        # Where the graphed optimizer math is not the user's (the adapter's users_step, optional): the step once more
+        # with the user's own optimizer settings, to say by how much (the first verified step only).
+        users = getattr(self.adapter, "users_step", None) if self.stats.optimizer_math_gap is None else None
+        users_context = users() if users is not None else None
+        post_user = eager(users_context)[1] if users_context is not None else None
         out_graph = entry.replay(leaves)
         self.stats.replays += 1
         graph_vals = _metrics(out_graph, named_params)
@@ -79,6 +90,8 @@ class StepParity:
         ):
             # The parameters' .grad is another graph's memory now: this graph's gradients are not visible.
             eager_vals.pop("grad_norm", None)
+        if post_user is not None:
+            self.stats.optimizer_math_gap = _gap([p.detach() for _, p in named_params], post_user)
         rtol = self.rtol
         problems = []
         for k in eager_vals:
@@ -170,6 +183,17 @@ def _metrics(out: Any, named_params: Sequence[tuple[str, Tensor]]) -> dict[str, 
     if grads:
         vals["grad_norm"] = float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
     return vals
+
+
+def _gap(graph: Sequence[Tensor], user: Sequence[Tensor]) -> tuple[float, float]:
+    """``(max |graph - user|, max of that over the parameter's largest |user|)`` over the parameters."""
+    gap_abs = gap_rel = 0.0
+    for a, b in zip(graph, user):
+        d = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+        scale = float(b.float().abs().max()) if b.numel() else 0.0
+        gap_abs = max(gap_abs, d)
+        gap_rel = max(gap_rel, d / scale if scale else (0.0 if d == 0 else float("inf")))
+    return gap_abs, gap_rel
 
 
 def _close(a: float, b: float, rtol: float) -> bool:

@@ -25,8 +25,13 @@ A graph would freeze those numbers. Here they come from device memory, equal bit
   ScalarList/``value`` argument no torch kernel reads from the device without a sync) by
   :class:`~.adam_tail.EagerAdamTail`, the same IEEE division and FMA as torch's CUDA kernel. On the CPU (the tape
   backend of the tests) the CPU kernels' order is mirrored instead (``p + (s * m) / d``, no FMA).
-* The for-loop path's ``tensor / python_scalar`` is, on CUDA, a multiply by the float32 reciprocal computed on the
-  host (``BinaryDivTrueKernel.cu``); mirrored as ``x * reciprocal(float32(bc2_sqrt))`` (both IEEE).
+* The for-loop path is mirrored on the CPU only: on CUDA its ``tensor / python_scalar`` rounds as no device-scalar
+  kernel reproduced bit for bit, so there it gets the capturable preparation and says so.
+* BFloat16 parameters (and moments): torch's kernels compute each operation in float32 with the same float32 scalars
+  and store BFloat16. The kernel rounds the multi-tensor denominator to BFloat16 after each of its operations and
+  the parameter once; AdamW's decay multiplies by the float32 factor in a kernel of its own (torch's ``mul_`` with a
+  float32 0-d CUDA tensor would round the factor to BFloat16 first). On the CPU the update's end is computed in
+  float32 and stored once, as torch's CPU ``addcdiv`` does.
 
 Every other operation (step increment, ``lerp_``, ``mul_``, ``addcmul_``, the coupled decay, ``maximize``'s negation,
 amsgrad's maximum) is torch's own call with torch's own Python-float arguments, which a graph may freeze: betas, eps and
@@ -34,28 +39,29 @@ weight decay are constants (the engine re-captures when one changes; the table f
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
 ``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``lr`` and ``betas``, non-fused
-groups (the multi-tensor and the for-loop update, ``amsgrad``, ``maximize``, weight decay), float32 parameters on
-one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's ``found_inf``).
+groups (the multi-tensor update, and the for-loop update on the CPU; ``amsgrad``, ``maximize``, weight decay), float32
+or BFloat16 parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused
+kernel's ``found_inf``). Fused groups cannot be: torch's fused kernel takes a float ``lr`` as a kernel argument (a
+graph freezes it) and reads a tensor ``lr`` as float32 (:data:`FUSED_LR`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ._torch_compat import (
-    adam_default_foreach,
     adam_init_group,
     mark_step_called,
+    runs_foreach,
 )
 from .adam_step import not_torchs_adam, plain_float32_params
-from .adam_tail import EagerAdamTail, tail_applies
+from .adam_tail import TAIL_DTYPES, EagerAdamTail, tail_applies
 from .finite import triton_available
+from .user_step import UserStep
 
 __all__ = ["ScalarTable", "UserMathAdam", "device_scalars", "host_bias_corrections", "update", "why_not"]
 
@@ -63,7 +69,6 @@ __all__ = ["ScalarTable", "UserMathAdam", "device_scalars", "host_bias_correctio
 SLOTS = 1 << 16
 #: steps the host computes at a time, ahead of the steps taken
 CHUNK = 4096
-_ABSENT = object()
 
 
 def host_bias_corrections(beta1: float, beta2: float, steps: Sequence[int]) -> tuple[list[float], list[float]]:
@@ -119,6 +124,13 @@ def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
     return (1 - lr * weight_decay).to(torch.float32)
 
 
+#: why a fused group cannot keep the user's math (``aten/src/ATen/native/cuda/fused_adam_impl.cu``; the CPU kernel reads
+#: a tensor lr with ``item()``, a host sync)
+FUSED_LR = ("torch's fused kernel takes a float lr as a float64 kernel argument, which a graph freezes, and reads a "
+            "tensor lr as float32 (lr.const_data_ptr<float>(): a float64 tensor is refused), so no device lr gives "
+            "your float lr's bits")
+
+
 def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
     """Why the user's own update cannot be captured for ``optimizer`` (``None``: it can)."""
     name = type(optimizer).__name__
@@ -130,19 +142,25 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
         return "Triton is not available (the update's last operation needs its kernel)"
     devices = set()
     for i, g in enumerate(optimizer.param_groups):
-        off = [k for k in ("fused", "capturable", "differentiable") if g.get(k)]
+        if g.get("fused"):
+            return f"param group {i} is fused: {FUSED_LR}"
+        off = [k for k in ("capturable", "differentiable") if g.get(k)]
         if off:
             return f"param group {i} is {', '.join(off)}"
-        if device_type == "cuda" and g.get("foreach") is False:
+        # foreach unset with fused=False is torch's for-loop too (``adam()``); unset with fused unset: foreach on CUDA
+        for_loop = g.get("foreach") is False or (g.get("foreach") is None and g.get("fused") is False)
+        if device_type == "cuda" and for_loop:
             # torch's for-loop update divides by a Python scalar on CUDA; its rounding is not mirrored bit for bit
             # (measured: 1 ulp of the loss apart within 13 steps), so its capturable form is graphed instead
             return f"param group {i} runs the for-loop update (foreach=False)"
         if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
             return f"param group {i} has a tensor lr or betas"
-        if (why := plain_float32_params(i, g, device_type, devices)) is not None:
+        if (why := plain_float32_params(i, g, device_type, devices, TAIL_DTYPES)) is not None:
             return why
+    if len({d for d, _ in devices}) > 1:
+        return f"{name}'s parameters live on {len({d for d, _ in devices})} devices"
     if len(devices) > 1:
-        return f"{name}'s parameters live on {len(devices)} devices"
+        return f"{name}'s parameters mix dtypes ({', '.join(sorted(str(t) for _, t in devices))})"
     return None
 
 
@@ -161,7 +179,13 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     if weight_decay != 0:
         if decoupled_weight_decay:
             factor = decay_factor(lr, weight_decay)  # the float32 a Python scalar becomes in the multiply
-            if foreach:
+            if params[0].dtype == torch.bfloat16 and params[0].device.type != "cpu":
+                # CUDA's ``_foreach_mul_``/``mul_`` with a float32 0-d tensor would round it to BFloat16 first (the
+                # CPU's reads it as a scalar in float32, as a Python float)
+                if tail is None or not tail_applies(params, dtypes=TAIL_DTYPES):
+                    raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
+                tail.scale(params, factor)
+            elif foreach:
                 torch._foreach_mul_(params, factor)
             else:
                 for p in params:
@@ -191,7 +215,7 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
                 torch.maximum(mx, v, out=mx)
         source = max_exp_avg_sqs
     on_cuda = params[0].device.type == "cuda"
-    use_tail = tail is not None and tail_applies(params, exp_avgs, source)
+    use_tail = tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES)
     if foreach and use_tail:
         tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, from_v=True)
         return
@@ -199,19 +223,15 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
         denom = torch._foreach_sqrt(source)
         torch._foreach_div_(denom, list(bc2_sqrt.unbind()))  # the ScalarList's float32 division
         torch._foreach_add_(denom, eps)
-    elif on_cuda:
-        # CUDA's ``tensor / python_scalar`` multiplies by the float32 reciprocal (BinaryDivTrueKernel.cu).
-        inv = torch.reciprocal(bc2_sqrt)
-        denom = [v.sqrt().mul_(inv[j]).add_(eps) for j, v in enumerate(source)]
-    else:
+    else:  # the for-loop update, on the CPU only (its CUDA division is not mirrored: why_not refuses it there)
         denom = [v.sqrt().div_(bc2_sqrt[j]).add_(eps) for j, v in enumerate(source)]
     if use_tail:
         tail(params, exp_avgs, denom, bc2_sqrt, step_size, eps, from_v=False)
     elif not on_cuda:
-        # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation rounded to float32.
-        scaled = torch._foreach_mul(exp_avgs, list(step_size.unbind()))
-        torch._foreach_div_(scaled, denom)
-        torch._foreach_add_(params, scaled)
+        # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation in float32 (the opmath
+        # type of BFloat16 too), the result stored once in the parameter's dtype.
+        for p, m, d, s in zip(params, exp_avgs, denom, step_size.unbind()):
+            p.copy_(p.float() + (s * m.float()) / d.float())
     else:  # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
         raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
 
@@ -226,7 +246,7 @@ class _Group:
         self.lo, self.hi = lo, hi  # the smallest and the largest step counter when last read (or state created)
 
 
-class UserMathAdam:
+class UserMathAdam(UserStep):
     """Captures the user's own Adam/AdamW update (see the module docstring): installed on the optimizer instance for
     as long as graphs may be captured (:meth:`install` / :meth:`remove`), so eager warm-up steps and replays run the
     same operations; :meth:`sync` before every step (cheap: float compares, a table chunk every :data:`CHUNK` steps).
@@ -239,24 +259,20 @@ class UserMathAdam:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device,
                  step_count: Optional[Callable[[], int]] = None, fused_tail: Optional[bool] = None) -> None:
-        self.optimizer = optimizer
-        self.device = device
+        super().__init__(optimizer, device)
         self.step_count = step_count
         use = triton_available() and device.type == "cuda" if fused_tail is None else fused_tail
         self.tail: Optional[EagerAdamTail] = EagerAdamTail() if use else None
         self.groups: list[_Group] = []
-        self.installed = False
-        self._own: Any = _ABSENT
         self._count0 = 0
         self._calls = 0
-        self._step: Callable[..., Any] = torch.optim.Optimizer.profile_hook_step(self._run)
 
     # -- setup ---------------------------------------------------------------------------------
     def install(self) -> None:
         """Move the step counters to the device, build the tables and take over the instance's ``step``."""
         opt = self.optimizer
         if self.tail is not None:
-            self.tail.warm(self.device)
+            self.tail.warm(self.device, sorted({p.dtype for g in opt.param_groups for p in g["params"]}, key=str))
         bounds = self._read_counters()
         tables: dict[tuple[float, float], ScalarTable] = {}
         self.groups = []
@@ -268,27 +284,6 @@ class UserMathAdam:
         self._calls = 0
         self.sync()
         self._take_step()
-
-    def _take_step(self) -> None:
-        if self.installed:
-            return
-        opt = self.optimizer
-        self._own = opt.__dict__.get("step", _ABSENT)
-        opt.step = functools.partial(self._step, opt)  # this instance only; an LR scheduler's wrapper comes back
-        if getattr(self._own, "_wrapped_by_lr_sched", False):
-            opt.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        self.installed = True
-
-    def remove(self) -> None:
-        """Give the instance its ``step`` back (the step counters stay on the device; see OptimizerPrep.restore)."""
-        if not self.installed:
-            return
-        if self._own is _ABSENT:
-            self.optimizer.__dict__.pop("step", None)
-        else:
-            self.optimizer.step = self._own
-        self._own = _ABSENT
-        self.installed = False
 
     def _read_counters(self) -> list[tuple[int, int]]:
         """Per group: (smallest, largest) step counter, moving CPU counters to the device (one host read in all)."""
@@ -347,18 +342,6 @@ class UserMathAdam:
             out.append((f"param group {i} bias-correction table", g.table.values))
         return out
 
-    @contextlib.contextmanager
-    def torchs_step(self) -> Iterator[None]:
-        """Run torch's own ``step`` inside the block (the reference of ``verify_steps``)."""
-        if not self.installed:
-            yield
-            return
-        self.remove()
-        try:
-            yield
-        finally:
-            self._take_step()
-
     # -- the step ------------------------------------------------------------------------------
     def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
@@ -379,9 +362,7 @@ class UserMathAdam:
                     if s.device != params[j].device:  # state created now, with a CPU counter (0): on the device
                         steps[j] = opt.state[params[j]]["step"] = torch.zeros((), dtype=s.dtype, device=params[j].device)
                         g.lo = 0
-                foreach = group["foreach"]
-                if foreach is None:
-                    foreach = adam_default_foreach(params)
+                foreach = runs_foreach(group, params)
                 beta1, beta2 = group["betas"]
                 update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=bool(foreach),
                        amsgrad=group["amsgrad"], maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=g.lr,

@@ -2,7 +2,7 @@
 
 The captured region is exactly Lightning's ``_AutomaticOptimization.run`` for one batch: closure
 (training_step, zero_grad, backward), clipping and ``optimizer.step``. Lightning has no public
-hook spanning that region, so the adapter routes ``run`` on *this trainer's loop instance* (never
+hook spanning that region, so the runner routes ``run`` on *this trainer's loop instance* (never
 the class), mirrors the progress counters a replay skips, and redirects ``LightningModule.log``
 on the module instance while a step is recorded. Checked against Lightning 2.4 - 2.6.6; newer
 versions run with one warning. The re-emission of a replayed step's logs (:func:`fast_log`) also writes the
@@ -34,6 +34,8 @@ __all__ = [
     "automatic_loop",
     "route_step",
     "undivided_loss",
+    "around_backward",
+    "after_closure",
     "step_key",
     "redirect_log",
     "ProgressDelta",
@@ -148,6 +150,39 @@ def around_clip_by_norm(trainer: pl.Trainer, around: Callable[..., Any]) -> Call
 
     precision.clip_grad_by_norm = clip_grad_by_norm
     return lambda: precision.__dict__.pop("clip_grad_by_norm", None)
+
+
+def around_backward(trainer: pl.Trainer, before: Callable[[torch.Tensor], None]) -> Callable[[], None]:
+    """Call ``before(loss)`` at the start of this trainer's ``strategy.backward`` (public; every micro-batch, before
+    the ``on_before_backward`` hooks), for this strategy instance only. Returns the undo."""
+    strategy = trainer.strategy
+    original = strategy.backward
+
+    def backward(closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        before(closure_loss)
+        return original(closure_loss, *args, **kwargs)
+
+    strategy.backward = backward
+    return lambda: strategy.__dict__.pop("backward", None)
+
+
+def after_closure(trainer: pl.Trainer, after: Callable[[], None]) -> Callable[[], None]:
+    """Call ``after()`` when the closure this trainer's ``strategy.optimizer_step`` (public) hands the optimizer
+    returns: after backward and DDP's all-reduce, before the ``on_before_optimizer_step`` hooks, clipping and the
+    update. For this strategy instance only; returns the undo."""
+    strategy = trainer.strategy
+    original = strategy.optimizer_step
+
+    def optimizer_step(optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        def closure_then_after() -> Any:
+            out = closure()
+            after()
+            return out
+
+        return original(optimizer, closure_then_after, *args, **kwargs)
+
+    strategy.optimizer_step = optimizer_step
+    return lambda: strategy.__dict__.pop("optimizer_step", None)
 
 
 def around_batch_transfer(trainer: pl.Trainer, stream: Any) -> Optional[Callable[[], None]]:

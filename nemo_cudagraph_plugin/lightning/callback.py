@@ -86,13 +86,6 @@ class CudaGraphCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.step_runner.count_unbound_step()
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self.step_runner.note_loss(loss)
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        # Before clipping, so a NaN is attributed to its parameter, not smeared by the clip factor.
-        self.step_runner.observe_grads()
-
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.training or trainer.state.fn == "fit":
             self.step_runner.reattach_grads()

@@ -13,6 +13,7 @@ installs the same refresh itself; using both only refreshes twice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
@@ -22,7 +23,6 @@ from ..fp8 import (
     fp8_refresh_wanted,
     install_fp8_refresh,
     iter_fp8_params,
-    refresh_fp8_transposes,
     verify_fp8_transposes,
 )
 from ..fp8.verify import StaleTransposeError
@@ -83,7 +83,11 @@ class Fp8TransposeRefresh(pl.Callback):
             if handle is not None:
                 self.handles.append(handle)
         if self.refresh_at_fit_start:
-            refresh_fp8_transposes(all_fp8)
+            # Once now (a checkpoint may have been loaded into the existing tensors), set up by the one installer
+            # like every other refresh, then removed.
+            with install_fp8_refresh(_no_event, all_fp8, owner=f"Fp8TransposeRefresh(mode={self.mode!r})",
+                                     require_stable_address=None) as once:
+                once.run()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -123,3 +127,12 @@ class Fp8TransposeRefresh(pl.Callback):
     def refreshes(self) -> int:
         """Host-side refresh runs after optimizer steps (a graph replay refreshes without coming back here)."""
         return self._past_calls + sum(h.calls for h in self.handles)
+
+
+def _no_event(refresh: Callable[[], int]) -> Callable[[], None]:
+    """An ``attach`` for :func:`install_fp8_refresh` of an event that never fires: the caller runs the handle."""
+    return _detached
+
+
+def _detached() -> None:
+    return None

@@ -12,7 +12,6 @@ and user code still see a ``DDPStrategy``/``SingleDeviceStrategy``) mixed with t
   created, then restored; the gradient all-reduce is captured inside the graph; gradient
   accumulation steps are captured inside ``no_sync`` (Lightning enters it before the step, so the
   accumulation graph holds no all-reduce and the stepping graph does).
-* The NaN guard observes gradients inside the strategy's ``optimizer_step``, before clipping.
 
 Refused with a reason: FSDP, DeepSpeed, ModelParallel, XLA, Megatron.
 """
@@ -20,7 +19,6 @@ Refused with a reason: FSDP, DeepSpeed, ModelParallel, XLA, Megatron.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
@@ -127,21 +125,6 @@ class CudaGraphStrategy(Strategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self.step_runner.count_unbound_step()
-
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.step_runner.note_loss(closure_loss)  # what the NaN guard watches (before backward, every micro-batch)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        runner = self.step_runner
-
-        def closure_then_observe() -> Any:
-            out = closure()
-            # After backward (and the DDP all-reduce), before clipping and the update.
-            runner.observe_grads()
-            return out
-
-        return super().optimizer_step(optimizer, closure_then_observe, model, **kwargs)
 
     def on_validation_end(self) -> None:
         super().on_validation_end()

@@ -34,7 +34,7 @@ def test_fast_adam_trains_as_torchs_capturable_adamw_bit_for_bit():
     cb, _, g = _graphed(cb_kw={"fast_adam": True, "verify_steps": 3, "optimizer_math": "capturable"})
     _, e = _eager(math="capturable")
     assert cb.stats.verified_steps == 3
-    fast = cb.step_runner.fast_adam
+    fast = cb.step_runner.adapter.fast_adam
     assert cb.stats.fast_adam_unused == "" and fast.counted_groups == 2 * cb.stats.captures and not fast.torch_groups
     assert fast.tail is not None  # the Triton tail, where Triton runs
     assert cb.stats.replays >= STEPS - 5, cb.stats.summary()
@@ -402,7 +402,7 @@ def test_nan_guard_names_parameter(clip):
         fit(_poisoned(), [cb, _PoisonAt(12)], 40, **kw)
     assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
     assert cb.stats.replays > 0
-    assert not cb.step_runner.guard._checks
+    assert not cb.step_runner.adapter.guard._checks
     print(f"\nNAN GUARD (clip={clip}): {ei.value}")
 
 
@@ -440,7 +440,7 @@ def test_nan_guard_watching_the_loss_names_parameter_long_after_the_bad_step(fus
         fit(_GradPoisoned(get_config("tiny", n_layer=2, seq_len=256), fused=fused), [cb, _PoisonAt(12)], 40)
     assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
     assert "non-finite loss and non-finite gradient or update of parameter 'bad'" in str(ei.value), str(ei.value)
-    assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
+    assert cb.stats.replays > 20 and not cb.step_runner.adapter.guard._checks, cb.stats.summary()
     print(f"\nNAN GUARD (watched, fused={fused}): {ei.value}")
 
 
@@ -459,7 +459,7 @@ def test_nan_guard_with_clipping_names_parameter_long_after_the_bad_step(unused)
         fit(_GradPoisoned(get_config("tiny", n_layer=2, seq_len=256), fused=True, unused=unused), [cb, _PoisonAt(12)],
             40, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
     assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
-    assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
+    assert cb.stats.replays > 20 and not cb.step_runner.adapter.guard._checks, cb.stats.summary()
     print(f"\nNAN GUARD (clipped, read long after): {ei.value}")
 
 
@@ -470,7 +470,7 @@ def test_nan_guard_watch_names_the_parameter_when_the_loss_goes_bad_first():
     with pytest.raises(NonFiniteError) as ei:
         fit(_poisoned(), [cb, _PoisonAt(12)], 30)
     assert ei.value.parameter == "bad" and " more)" not in str(ei.value), str(ei.value)
-    assert cb.stats.replays > 20 and not cb.step_runner.guard._checks, cb.stats.summary()
+    assert cb.stats.replays > 20 and not cb.step_runner.adapter.guard._checks, cb.stats.summary()
 
 
 class _SlowFused(type(make_module())):

@@ -17,16 +17,27 @@ from _lightning_utils import Recorder, loader, make_module
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from nemo_cudagraph_plugin import CudaGraphCallback
+from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail, EagerSgdTail
 
 pytestmark = pytest.mark.gpu
 
 LR = 3e-4
+ADAM = {"lr": LR, "betas": (0.9, 0.95)}
+SGD_LR = 0.03  # not a float32 either
 FORMS = {
-    "adamw-foreach": (torch.optim.AdamW, {}),
-    "adam-amsgrad-maximize": (torch.optim.Adam, {"amsgrad": True, "maximize": True, "weight_decay": 0.01}),
+    "adamw-foreach": (torch.optim.AdamW, ADAM),
+    "adam-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "amsgrad": True, "maximize": True, "weight_decay": 0.01}),
+    # torch's SGD (multi-tensor by default on CUDA; the groups carry weight decay)
+    "sgd-foreach-momentum": (torch.optim.SGD, {"lr": SGD_LR, "momentum": 0.9}),
+    "sgd-foreach-nesterov": (torch.optim.SGD, {"lr": SGD_LR, "momentum": 0.9, "nesterov": True}),
+    "sgd-foreach-plain": (torch.optim.SGD, {"lr": SGD_LR}),
+    "sgd-for-loop-dampening-maximize": (torch.optim.SGD, {"lr": 1e-3, "foreach": False, "momentum": 0.8,
+                                                          "dampening": 0.1, "maximize": True}),
 }
-# graphed with the capturable math and reported (its CUDA division is not mirrored bit for bit)
-OTHER_FORMS = {"adamw-for-loop": (torch.optim.AdamW, {"foreach": False})}
+# graphed with the capturable math and reported (the for-loop Adam's CUDA division is not mirrored bit for bit; the
+# fused kernel takes a float lr as a kernel argument and a tensor lr as float32); SGD with BFloat16 parameters too
+OTHER_FORMS = {"adamw-for-loop": (torch.optim.AdamW, {**ADAM, "foreach": False}),
+               "adamw-fused": (torch.optim.AdamW, {**ADAM, "fused": True})}
 
 
 def module(form: str, precision: str):
@@ -38,7 +49,7 @@ def module(form: str, precision: str):
         out = groups_of(self)
         opt = out["optimizer"]
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
-        user = cls(groups, lr=LR, betas=(0.9, 0.95), **kw)  # the user's optimizer, as they write it
+        user = cls(groups, **kw)  # the user's optimizer, as they write it
         out["optimizer"] = user
         out["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(user, self.lr_lambda)
         return out
@@ -107,13 +118,97 @@ def test_resume_equals_the_users_resumed_eager_run(tmp_path, precision):
     assert_bitwise(run(True, "adamw-foreach", precision, 80, **kw), run(False, "adamw-foreach", precision, 80, **kw))
 
 
+def test_resume_with_sgd_momentum_equals_the_users_resumed_eager_run(tmp_path):
+    first = run(False, "sgd-foreach-momentum", "32-true", 30)
+    path = tmp_path / "thirty.ckpt"
+    first[0].save_checkpoint(path)
+    kw = dict(ckpt_path=str(path), train_loader=loader(80))
+    assert_bitwise(run(True, "sgd-foreach-momentum", "32-true", 80, **kw),
+                   run(False, "sgd-foreach-momentum", "32-true", 80, **kw))
+
+
 def test_the_for_loop_update_is_reported_as_graphed_with_other_math():
     g = run(True, "adamw-for-loop", "32-true", 20)
     assert g[3].stats.replays > 0 and "for-loop" in g[3].stats.optimizer_math, g[3].stats.optimizer_math
 
 
-def test_bf16_parameters_are_reported_as_graphed_with_other_math():
-    g = run(True, "adamw-foreach", "bf16-true", 20)
-    assert g[3].stats.replays > 0
-    assert "capturable" in g[3].stats.optimizer_math and "float32" in g[3].stats.optimizer_math
-    assert "optimizer math differs" in g[3].stats.summary()
+ADAM_FORMS = ["adamw-foreach", "adam-amsgrad-maximize"]
+
+
+@pytest.mark.parametrize("form", ADAM_FORMS)
+def test_bf16_parameters_200_steps_equal_the_users_eager_run(form):
+    # bf16-true: BFloat16 parameters and moments, each operation of torch's update in float32, stored as BFloat16
+    kw = dict(gradient_clip_val=1.0)
+    assert_bitwise(run(True, form, "bf16-true", 200, **kw), run(False, form, "bf16-true", 200, **kw))
+
+
+def test_bf16_parameters_with_accumulation_equal_the_users_eager_run():
+    kw = dict(accumulate_grad_batches=2, gradient_clip_val=1.0, train_loader=loader(120))
+    assert_bitwise(run(True, "adamw-foreach", "bf16-true", 60, **kw),
+                   run(False, "adamw-foreach", "bf16-true", 60, **kw))
+
+
+def test_bf16_sgd_is_reported_as_graphed_with_other_math_and_by_how_much():
+    g = run(True, "sgd-foreach-momentum", "bf16-true", 20, cb_kw={"verify_steps": 1})
+    stats = g[3].stats
+    assert stats.replays > 0 and "capturable" in stats.optimizer_math and "float32" in stats.optimizer_math
+    assert stats.optimizer_math_gap is not None, "the first verified step measures the difference"
+    assert "optimizer math differs" in stats.summary() and "by up to" in stats.summary()
+
+
+def test_fused_adamw_is_reported_as_graphed_with_other_math_and_by_how_much():
+    g = run(True, "adamw-fused", "32-true", 20, cb_kw={"verify_steps": 1})
+    why = g[3].stats.optimizer_math
+    assert g[3].stats.replays > 0 and "fused" in why and "float32" in why, why
+    # measured: float32(lr) in the fused kernel against the user's double (a few elements an ulp apart, or none)
+    assert g[3].stats.optimizer_math_gap is not None and g[3].stats.optimizer_math_gap[1] < 1e-4
+    assert "by up to" in g[3].stats.summary()
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_sgd_kernel_is_torchs_cuda_add_with_alpha_bit_for_bit(foreach):
+    # p + alpha * g as torch's CUDA kernels compute it for a Python alpha (multi-tensor and for-loop): one FMA
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, 3, 4095, 4096, 4097, 1 << 20, 3_000_001]
+    ps = [torch.randn(n, device="cuda", generator=g) * 1e-2 for n in sizes]
+    gs = [torch.randn(n, device="cuda", generator=g) for n in sizes]
+    for lr in (SGD_LR, 3e-4 * 0.97**7, 0.1, 7.7e-5):
+        want = [p.clone() for p in ps]
+        if foreach:
+            torch._foreach_add_(want, gs, alpha=-lr)
+        else:
+            for w, gr in zip(want, gs):
+                w.add_(gr, alpha=-lr)
+        got = [p.clone() for p in ps]
+        alpha = torch.tensor(lr, dtype=torch.float64, device="cuda").neg().to(torch.float32)
+        EagerSgdTail()(got, gs, alpha)
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"lr {lr}, tensor {j}: {(a != b).sum().item()} elements differ"
+        two = ps[-1] + gs[-1] * alpha
+        assert not torch.equal(two, want[-1])  # the data tells one rounding from two
+
+
+def test_the_bf16_adam_kernels_are_torchs_cuda_foreach_ops_bit_for_bit():
+    # the multi-tensor update's end on BFloat16 tensors, as torch runs it with the Python scalars, against the kernels
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, 3, 4095, 4096, 4097, 1 << 20, 3_000_001]
+    ps = [(torch.randn(n, device="cuda", generator=g) * 1e-1).bfloat16() for n in sizes]
+    ms = [(torch.randn(n, device="cuda", generator=g) * 1e-2).bfloat16() for n in sizes]
+    vs = [(torch.rand(n, device="cuda", generator=g) * 1e-4).bfloat16() for n in sizes]
+    step_size = torch.tensor([-3e-4 / (1 - 0.9 ** k) for k in range(1, 8)], dtype=torch.float64).float().cuda()
+    bc2s = torch.tensor([(1 - 0.95 ** k) ** 0.5 for k in range(1, 8)], dtype=torch.float64).float().cuda()
+    want = [p.clone() for p in ps]
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, bc2s.tolist())
+    torch._foreach_add_(denom, 1e-8)
+    torch._foreach_addcdiv_(want, ms, denom, step_size.tolist())
+    got = [p.clone() for p in ps]
+    tail = EagerAdamTail()
+    tail(got, ms, vs, bc2s, step_size, 1e-8, from_v=True)
+    for j, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"addcdiv, tensor {j}: {(a != b).sum().item()} elements differ"
+    factor = 1 - 3e-2 * 0.1  # AdamW's decay factor as a Python float
+    torch._foreach_mul_(want, factor)
+    tail.scale(got, torch.tensor(factor, dtype=torch.float64, device="cuda").float())
+    for j, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"decay, tensor {j}: {(a != b).sum().item()} elements differ"

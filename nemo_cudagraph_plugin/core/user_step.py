@@ -1,0 +1,76 @@
+"""The plumbing shared by the captured user updates (:mod:`.user_adam`, :mod:`.user_sgd`): taking over one optimizer
+instance's ``step`` while graphs may be captured, and giving torch's own back for a reference step.
+
+Nothing is patched on a class: the instance's ``step`` attribute is set and removed. An LR scheduler's wrapper of the
+instance's ``step`` (it counts calls) comes back with the instance's own attribute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["UserStep"]
+
+_ABSENT = object()
+
+
+class UserStep:
+    """Base of a captured user update: subclasses implement :meth:`_run` (the step, torch's operations with the
+    host's scalars read from the device), :meth:`sync` (before every step) and :meth:`tensors`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self.installed = False
+        self._own: Any = _ABSENT
+        self._step: Callable[..., Any] = torch.optim.Optimizer.profile_hook_step(self._run)
+
+    def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Before every step: copy the host's changed float hyperparameters to the device."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        """The device tensors a captured step reads besides the optimizer state (for address checks)."""
+        raise NotImplementedError
+
+    def _take_step(self) -> None:
+        if self.installed:
+            return
+        opt = self.optimizer
+        self._own = opt.__dict__.get("step", _ABSENT)
+        opt.step = functools.partial(self._step, opt)  # this instance only; an LR scheduler's wrapper comes back
+        if getattr(self._own, "_wrapped_by_lr_sched", False):
+            opt.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.installed = True
+
+    def remove(self) -> None:
+        """Give the instance its ``step`` back."""
+        if not self.installed:
+            return
+        if self._own is _ABSENT:
+            self.optimizer.__dict__.pop("step", None)
+        else:
+            self.optimizer.step = self._own
+        self._own = _ABSENT
+        self.installed = False
+
+    @contextlib.contextmanager
+    def torchs_step(self) -> Iterator[None]:
+        """Run torch's own ``step`` inside the block (the reference of ``verify_steps``)."""
+        if not self.installed:
+            yield
+            return
+        self.remove()
+        try:
+            yield
+        finally:
+            self._take_step()
