@@ -1345,6 +1345,13 @@ MUTANTS: list[Mutant] = [
            (PT + "test_lightning_partial_graphs_follow_module_state_changes_every_step",),
            "the whole-step tier's refusal of module state changed every step or two also counts partial-tier steps, "
            "where no whole-step graph replays: a few changes stop a fit the partial tier follows"),
+    Mutant("partial-modules-optimizer-prepared-again", "cpu", ADAPTER,
+           "        if not self.prep.applied:  # the partial tier's scope=\"modules\" gave the optimizer back as you wrote it\n"
+           "            return None\n",
+           "",
+           (PT + "test_lightning_partial_graphs_equal_eager[modules]",),
+           "scope='modules' gives the optimizer back, but the hyperparameter guard prepares it again (capturable, "
+           "a tensor lr) on the next step"),
     Mutant("partial-inputs-copied-with-a-version-bump", "cpu", GMOD,
            "        self._input_data = [t.data for t in inputs]",
            "        self._input_data = list(inputs)",

@@ -430,13 +430,24 @@ def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=()):
 @pytest.mark.lightning_adapter
 @pytest.mark.parametrize("scope", ["modules", "auto"])
 def test_lightning_partial_graphs_equal_eager(scope):
+    import lightning.pytorch as pl
+
     lt = _lightning()
     cls = _GuardedGPT.make(lt)
+    groups = []
+
+    class Groups(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            g = trainer.optimizers[0].param_groups[0]
+            groups.append((isinstance(g["lr"], float), g.get("capturable", False)))
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        g = _fit(lt, cls, True, {"scope": scope, "nan_guard": False})
+        g = _fit(lt, cls, True, {"scope": scope, "nan_guard": False}, callbacks=[Groups()])
     e = _fit(lt, cls, False)
     lt.assert_same(g, e)
+    # "modules": your optimizer as you wrote it, every step; "auto": as the whole-step warm-up prepared it
+    assert set(groups) == ({(True, False)} if scope == "modules" else {(False, True)})
     rep = g.stats.partial
     assert rep is not None and rep.graphed == ["model"] and list(rep.islands) == ["guard"]
     assert rep.replays > 0 and g.cb.eager_reason is None
