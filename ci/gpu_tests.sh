@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU host: the GPU test suite on this working tree, and (with OLD=DIR) the same tests against an older copy of
+# GPU host: the GPU test suite on this working tree (new.log names each test as it ends, so a run stopped by its
+# time limit still tells what passed), and (with OLD=DIR) the same tests against an older copy of
 # the package in DIR (a test written for a fix must fail there). Writes JUnit XML and logs
 # under $OUT and prints one table last.
 #
@@ -23,12 +24,14 @@ if [ -n "${OLD:-}" ]; then
     # and NCG_PACKAGE_UNDER_TEST makes the session stop unless the old package is the one imported.
     OLD_ABS="$(cd "$OLD" && pwd)"
     (cd "$OLD" && NCG_PACKAGE_UNDER_TEST="$OLD_ABS" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout "${OLD_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o pythonpath= \
+        timeout -k "${KILL_AFTER:-20}" "${OLD_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o pythonpath= \
            ${OLD_TESTS:-$ROOT/tests/gpu/test_stale_gpu.py} -o junit_suite_name=old --junitxml="$OUT/old.xml" -rfE) \
         > "$OUT/old.log" 2>&1
     echo "old: exit $? ($(tail -n 1 "$OUT/old.log"))"
 fi
-timeout "${NEW_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} -rfEs \
+# SIGKILL KILL_AFTER seconds after the SIGTERM: Lightning turns SIGTERM into an exception at the next batch end, pytest
+# then goes on with the next test, and the limit would stop one test instead of the run.
+timeout -k "${KILL_AFTER:-20}" "${NEW_TIMEOUT:-420}" python3 -m pytest -v -p no:cacheprovider ${TESTS:-tests/gpu} -rfEs \
     -o junit_suite_name=new --junitxml="$OUT/new.xml" > "$OUT/new.log" 2>&1
 echo "new: exit $? ($(tail -n 1 "$OUT/new.log"))"
 python3 - "$OUT" <<'PY'

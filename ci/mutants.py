@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY = ("nemo_cudagraph_plugin", "tests", "recipes", "benchmarks", "pyproject.toml")
+COPY = ("nemo_cudagraph_plugin", "tests", "recipes", "benchmarks", "pyproject.toml", "ci", ".ci", "Jenkinsfile")
 PKG = "nemo_cudagraph_plugin"
 
 E = "nemo_cudagraph_plugin/core/engine.py"
@@ -87,6 +87,12 @@ class Mutant:
 
 
 MUTANTS: list[Mutant] = [
+    # -- CI scripts ------------------------------------------------------------------------------------------------------------------------
+    Mutant("gpu-suite-limit-without-kill", "cpu", "ci/gpu_tests.sh",
+           'timeout -k "${KILL_AFTER:-20}" "${NEW_TIMEOUT:-420}" python3 -m pytest',
+           'timeout "${NEW_TIMEOUT:-420}" python3 -m pytest',
+           ("tests/test_ci_jenkinsfile.py::test_gpu_tests_sh_stops_a_suite_that_ignores_the_timeouts_sigterm",),
+           "the GPU suite's time limit only sends SIGTERM, which Lightning turns into one test's failure"),
     # -- the step's core: progress, outputs, guards, parity ---------------------------------------------------------------------------------
     Mutant("progress-delta-apply-noop", "cpu", COMPAT,
            "        for o, n, d in self.incs:\n            setattr(o, n, getattr(o, n) + d)",

@@ -392,6 +392,22 @@ def test_gpu_stage_refuses_a_machine_without_cuda(tmp_path):
     assert not (tmp_path / "ran-pytest").exists()
 
 
+def test_gpu_tests_sh_stops_a_suite_that_ignores_the_timeouts_sigterm(tmp_path):
+    """Lightning turns SIGTERM into an exception at the next batch end and pytest then runs the next test: the
+    script's time limit must end the whole run (SIGKILL after a grace period), not one test."""
+    (tmp_path / "ci").mkdir()
+    shutil.copy(ROOT / "ci" / "gpu_tests.sh", tmp_path / "ci" / "gpu_tests.sh")
+    _fake_python(tmp_path / "bin" / "python3",
+                 'if [ "$1" = -m ] && [ "$2" = pytest ]; then trap "" TERM; for i in $(seq 60); do sleep 1; done; '
+                 'exit 0; fi\n'
+                 f'exec "{sys.executable}" "$@"\n')
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "NEW_TIMEOUT": "1", "KILL_AFTER": "1",
+           "OUT": str(tmp_path / "out")}
+    out = subprocess.run(["bash", str(tmp_path / "ci" / "gpu_tests.sh")], capture_output=True, text=True, timeout=30,
+                         env=env)
+    assert "new: exit 137" in out.stdout, out.stdout + out.stderr
+
+
 # ------------------------------------------------------------------------------------------------------------
 # ci/check_convergence.py
 # ------------------------------------------------------------------------------------------------------------
