@@ -48,14 +48,13 @@ graph freezes it) and reads a tensor ``lr`` as float32 (:data:`FUSED_LR`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ._torch_compat import (
     adam_init_group,
-    mark_step_called,
     runs_foreach,
 )
 from .adam_step import not_torchs_adam, plain_float32_params
@@ -343,29 +342,22 @@ class UserMathAdam(UserStep):
         return out
 
     # -- the step ------------------------------------------------------------------------------
-    def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        mark_step_called(opt)
-        with torch.no_grad():
-            for group, g in zip(opt.param_groups, self.groups):
-                params: list[Tensor] = []
-                grads: list[Tensor] = []
-                exp_avgs: list[Tensor] = []
-                exp_avg_sqs: list[Tensor] = []
-                max_exp_avg_sqs: list[Tensor] = []
-                steps: list[Tensor] = []
-                adam_init_group(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-                for j, s in enumerate(steps):
-                    if s.device != params[j].device:  # state created now, with a CPU counter (0): on the device
-                        steps[j] = opt.state[params[j]]["step"] = torch.zeros((), dtype=s.dtype, device=params[j].device)
-                        g.lo = 0
-                foreach = runs_foreach(group, params)
-                beta1, beta2 = group["betas"]
-                update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=bool(foreach),
-                       amsgrad=group["amsgrad"], maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=g.lr,
-                       weight_decay=group["weight_decay"], eps=group["eps"],
-                       decoupled_weight_decay=group["decoupled_weight_decay"], table=g.table.values, tail=self.tail)
-        return loss
+    def _update(self, opt: torch.optim.Optimizer) -> None:
+        for group, g in zip(opt.param_groups, self.groups):
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            exp_avgs: list[Tensor] = []
+            exp_avg_sqs: list[Tensor] = []
+            max_exp_avg_sqs: list[Tensor] = []
+            steps: list[Tensor] = []
+            adam_init_group(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            for j, s in enumerate(steps):
+                if s.device != params[j].device:  # state created now, with a CPU counter (0): on the device
+                    steps[j] = opt.state[params[j]]["step"] = torch.zeros((), dtype=s.dtype, device=params[j].device)
+                    g.lo = 0
+            foreach = runs_foreach(group, params)
+            beta1, beta2 = group["betas"]
+            update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=bool(foreach),
+                   amsgrad=group["amsgrad"], maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=g.lr,
+                   weight_decay=group["weight_decay"], eps=group["eps"],
+                   decoupled_weight_decay=group["decoupled_weight_decay"], table=g.table.values, tail=self.tail)

@@ -27,8 +27,7 @@ float32 parameters on one device, Triton on CUDA, no ``nan_action="skip"`` (that
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -36,7 +35,6 @@ from torch import Tensor
 from ._torch_compat import (
     ADAM_STEP_SHAPE,
     TORCH_VERSION,
-    mark_step_called,
     runs_foreach,
     sgd_init_group,
     sgd_step_is_torchs,
@@ -189,24 +187,17 @@ class UserMathSGD(UserStep):
     def tensors(self) -> list[tuple[str, Tensor]]:
         return [(f"param group {i} lr (float64) tensor", g.tensor) for i, g in enumerate(self.groups)]
 
-    def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        mark_step_called(opt)
-        with torch.no_grad():
-            for group, g in zip(opt.param_groups, self.groups):
-                params: list[Tensor] = []
-                grads: list[Tensor] = []
-                bufs: list[Optional[Tensor]] = []
-                if sgd_init_group(opt, group, params, grads, bufs):
-                    raise RuntimeError("a sparse gradient cannot be updated inside a graph (its shape changes)")
-                foreach = runs_foreach(group, params)
-                update(params, grads, bufs, foreach=bool(foreach), weight_decay=group["weight_decay"],
-                       momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"],
-                       maximize=group["maximize"], lr=g.tensor, tail=self.tail)
-                if group["momentum"] != 0:  # as SGD.step: the buffers made on the first step become state
-                    for p, b in zip(params, bufs):
-                        opt.state[p]["momentum_buffer"] = b
-        return loss
+    def _update(self, opt: torch.optim.Optimizer) -> None:
+        for group, g in zip(opt.param_groups, self.groups):
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            bufs: list[Optional[Tensor]] = []
+            if sgd_init_group(opt, group, params, grads, bufs):
+                raise RuntimeError("a sparse gradient cannot be updated inside a graph (its shape changes)")
+            foreach = runs_foreach(group, params)
+            update(params, grads, bufs, foreach=bool(foreach), weight_decay=group["weight_decay"],
+                   momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"],
+                   maximize=group["maximize"], lr=g.tensor, tail=self.tail)
+            if group["momentum"] != 0:  # as SGD.step: the buffers made on the first step become state
+                for p, b in zip(params, bufs):
+                    opt.state[p]["momentum_buffer"] = b

@@ -15,13 +15,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ._torch_compat import mark_step_called
+
 __all__ = ["UserStep"]
 
 _ABSENT = object()
 
 
 class UserStep:
-    """Base of a captured user update: subclasses implement :meth:`_run` (the step, torch's operations with the
+    """Base of a captured user update: subclasses implement :meth:`_update` (the step, torch's operations with the
     host's scalars read from the device), :meth:`sync` (before every step) and :meth:`tensors`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -32,6 +34,19 @@ class UserStep:
         self._step: Callable[..., Any] = torch.optim.Optimizer.profile_hook_step(self._run)
 
     def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """What torch's ``step`` does around its update: the closure with gradients on, the call counted (an LR
+        scheduler checks the order), the update without autograd."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        mark_step_called(opt)
+        with torch.no_grad():
+            self._update(opt)
+        return loss
+
+    def _update(self, opt: torch.optim.Optimizer) -> None:
+        """Every param group's update: torch's operations with the host's scalars read from the device."""
         raise NotImplementedError
 
     def sync(self) -> None:
