@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from packaging.version import Version
@@ -34,6 +34,7 @@ __all__ = [
     "returns_alias",
     "ADAM_STEP_SHAPE",
     "adam_functional",
+    "AdamGroupLists",
     "adam_init_group",
     "adam_step_is_torchs",
     "runs_foreach",
@@ -161,11 +162,24 @@ def sgd_init_group(optimizer: Any, group: dict, params: list, grads: list, momen
     return optimizer._init_group(group, params, grads, momentum_buffer_list)
 
 
-def adam_init_group(optimizer: Any, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
-                    max_exp_avg_sqs: list, state_steps: list) -> bool:
-    """torch's ``Adam._init_group``: fills the lists for the parameters that have a gradient, creating their state
-    on their first step; returns whether any is complex."""
-    return optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+class AdamGroupLists(NamedTuple):
+    """One param group's tensors as ``Adam.step`` gathers them (the parameters that have a gradient)."""
+
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    max_exp_avg_sqs: list
+    steps: list
+    has_complex: bool
+
+
+def adam_init_group(optimizer: Any, group: dict) -> AdamGroupLists:
+    """torch's ``Adam._init_group``: the lists for the parameters that have a gradient, their state created on their
+    first step, and whether any is complex."""
+    lists: tuple[list, ...] = ([], [], [], [], [], [])
+    has_complex = optimizer._init_group(group, *lists)
+    return AdamGroupLists(*lists, has_complex=bool(has_complex))
 
 
 def adam_functional(optimizer: Any, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,

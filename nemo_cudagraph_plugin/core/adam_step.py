@@ -231,14 +231,7 @@ class GroupScalarAdam:
                 stepping = [p for p in group["params"] if p.grad is not None]
                 # A step that creates some parameters' state but not others' leaves their counters unequal.
                 new = sum(1 for p in stepping if not opt.state.get(p))
-                params: list[Tensor] = []
-                grads: list[Tensor] = []
-                exp_avgs: list[Tensor] = []
-                exp_avg_sqs: list[Tensor] = []
-                max_exp_avg_sqs: list[Tensor] = []
-                steps: list[Tensor] = []
-                has_complex = adam_init_group(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                              steps)
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, has_complex = adam_init_group(opt, group)
                 if equal and new in (0, len(stepping)) and not has_complex:
                     beta1, beta2 = group["betas"]
                     update(params, grads, exp_avgs, exp_avg_sqs, steps, beta1=beta1, beta2=beta2, lr=group["lr"],

@@ -344,13 +344,7 @@ class UserMathAdam(UserStep):
     # -- the step ------------------------------------------------------------------------------
     def _update(self, opt: torch.optim.Optimizer) -> None:
         for group, g in zip(opt.param_groups, self.groups):
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            exp_avgs: list[Tensor] = []
-            exp_avg_sqs: list[Tensor] = []
-            max_exp_avg_sqs: list[Tensor] = []
-            steps: list[Tensor] = []
-            adam_init_group(opt, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, _ = adam_init_group(opt, group)
             for j, s in enumerate(steps):
                 if s.device != params[j].device:  # state created now, with a CPU counter (0): on the device
                     steps[j] = opt.state[params[j]]["step"] = torch.zeros((), dtype=s.dtype, device=params[j].device)
