@@ -17,7 +17,7 @@ import pytest
 import torch
 from _tape import TapeBackend
 from test_lightning_cpu import Rec, Windows
-from test_user_adam import UserAdamGPT, _model, interpreted  # noqa: F401  (a fixture)
+from test_user_adam import UserAdamGPT, _model, _step_side_by_side, interpreted  # noqa: F401  (a fixture)
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -77,18 +77,7 @@ def test_the_update_is_the_users_eager_sgd_step_bit_for_bit(kw):
     ref, opt = torch.optim.SGD(a.parameters(), lr=LR, **kw), torch.optim.SGD(b.parameters(), lr=LR, **kw)
     user = UserMathSGD(opt, torch.device("cpu"))
     user.install()
-    x = torch.randn(8, 16)
-    for i in range(20):
-        for m, o in ((a, ref), (b, opt)):
-            o.zero_grad()
-            m(x * (1 + i % 3)).square().mean().backward()
-            for g in o.param_groups:
-                g["lr"] = LR * 0.97 ** i  # a schedule assigning floats
-        user.sync()
-        ref.step()
-        opt.step()
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
+    _step_side_by_side(a, ref, b, opt, user)
     if kw["momentum"]:
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.equal(ref.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
