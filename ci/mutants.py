@@ -71,6 +71,7 @@ FP8_PIPELINE = "nemo_cudagraph_plugin/fp8/pipeline.py"
 NEMO_MEGATRON = "nemo_cudagraph_plugin/integrations/nemo/_megatron_recipe.py"
 NEMO_LIGHTNING = "nemo_cudagraph_plugin/integrations/nemo/_lightning_recipe.py"
 PARTIAL = "nemo_cudagraph_plugin/core/partial.py"
+POPT = "nemo_cudagraph_plugin/core/partial_optimizer.py"
 GMOD = "nemo_cudagraph_plugin/core/graphed_module.py"
 PT = "tests/test_partial_cpu.py::"
 
@@ -1351,13 +1352,51 @@ MUTANTS: list[Mutant] = [
            (PT + "test_lightning_partial_graphs_follow_module_state_changes_every_step",),
            "the whole-step tier's refusal of module state changed every step or two also counts partial-tier steps, "
            "where no whole-step graph replays: a few changes stop a fit the partial tier follows"),
-    Mutant("partial-modules-optimizer-prepared-again", "cpu", ADAPTER,
-           "        if not self.prep.applied:  # the partial tier's scope=\"modules\" gave the optimizer back as you wrote it\n"
-           "            return None\n",
+    # -- the partial tier's optimizer graph ------------------------------------------------------------------------
+    Mutant("partial-optimizer-grads-not-guarded", "cpu", POPT,
+           "        why = next((f\"the gradient of '{n}' was replaced or set to None\" for n, p, g in entry.grads\n"
+           "                    if p.grad is not g), None)",
+           "        why = None",
+           (PT + "test_a_gradient_set_to_none_recaptures_the_optimizer_graph",),
+           "a gradient set to None and made anew is not noticed: the optimizer graph replays the old gradients"),
+    Mutant("partial-optimizer-dirty-ignored", "cpu", POPT,
+           "        if why is None and self.dirty:",
+           "        if why is None and False:",
+           (PT + "test_a_moved_optimizer_state_is_found_when_marked_dirty",),
+           "a loaded optimizer state is not compared: the graph keeps updating the old state's memory"),
+    Mutant("partial-optimizer-deferred-clipping-dropped", "cpu", POPT,
+           "        self._deferred.append((fn, args, kwargs))\n        return True",
+           "        return True",
+           (PT + "test_the_optimizer_side_is_one_graph_equal_to_eager",
+            PT + "test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph"),
+           "the clipping handed to the optimizer graph is never run: training silently unclipped"),
+    Mutant("partial-optimizer-deferred-left-over", "cpu", POPT,
+           "        self._deferred = []\n\n    def _deferred_now",
+           "        pass\n\n    def _deferred_now",
+           (PT + "test_a_step_without_update_leaves_nothing_deferred_for_the_next",),
+           "what a step that skipped its update deferred is not cleared: the next step clips twice"),
+    Mutant("partial-fresh-grads", "cpu", ADAPTER,
+           "                               and not self._ddp and partial is None)",
+           "                               and not self._ddp)",
+           (PT + "test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph",),
+           "the partial tier keeps zero_grad(set_to_none=True): every step makes new gradients and the optimizer graph "
+           "is captured again every step"),
+    Mutant("partial-optimizer-grads-not-kept-for-validation", "cpu", ADAPTER,
+           "        self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]\n\n"
+           "    def around_clip_gradients",
+           "        pass\n\n    def around_clip_gradients",
+           (PT + "test_lightning_partial_graphs_keep_the_optimizer_graph_across_validation",),
+           "the gradients Lightning frees before validation are not given back: a re-capture after each validation"),
+    Mutant("partial-optimizer-hyperparameter-change-kept", "cpu", ADAPTER,
+           "        if opt_graph is not None:\n            opt_graph.invalidate()\n",
            "",
-           (PT + "test_lightning_partial_graphs_equal_eager[modules]",),
-           "scope='modules' gives the optimizer back, but the hyperparameter guard prepares it again (capturable, "
-           "a tensor lr) on the next step"),
+           (PT + "test_lightning_partial_graphs_recapture_the_optimizer_graph_when_a_baked_hyperparameter_changes",),
+           "a changed momentum keeps the optimizer graph captured with the old one"),
+    Mutant("partial-clipping-not-deferred", "cpu", RUNNER,
+           "        if self.config.scope != \"step\":  # the partial tier's optimizer graph takes Lightning's clipping in",
+           "        if False:  # the partial tier's optimizer graph takes Lightning's clipping in",
+           (PT + "test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph",),
+           "Lightning's clipping stays eager in the partial tier: a few dozen launches per step outside graphs"),
     Mutant("partial-inputs-copied-with-a-version-bump", "cpu", GMOD,
            "        self._input_data = [t.data for t in inputs]",
            "        self._input_data = list(inputs)",

@@ -383,6 +383,7 @@ class TapeBackend(GraphBackend):
     """
 
     device_type = "cpu"
+    capture_runs_work = True  # a capture runs the step once (module docstring)
 
     def __init__(self, sync_in_capture: str = "raise", io_in_graph: bool = False) -> None:
         if sync_in_capture not in ("raise", "bake"):

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.harness import report, runner
 from benchmarks.harness.cli import write_docs
 from benchmarks.harness.variants import DEFAULT_VARIANTS, VARIANTS
-from benchmarks.harness.workloads import PEAK_BF16_TFLOPS, WORKLOADS, model_flops_per_step
+from benchmarks.harness.workloads import DEFAULT_WORKLOADS, PEAK_BF16_TFLOPS, WORKLOADS, model_flops_per_step
 
 ROOT = Path(__file__).resolve().parents[1]
 W = WORKLOADS["llama156m-2x512"].as_dict()
@@ -340,6 +340,30 @@ def test_the_prepared_variants_callback_prepares_the_optimizer_as_ours_on_cuda_a
     assert calls == [] and len(notes) == 1 and "unprepared" in notes[0]
 
 
+def test_the_partial_tier_cases_read_the_host_in_the_step_and_their_variants_ask_for_partial_graphs():
+    pytest.importorskip("transformers")
+    import torch
+
+    from benchmarks.harness.models import BenchLM, HostCheck
+    from benchmarks.harness.variants import VARIANTS as V
+    from benchmarks.harness.workloads import dry_run
+
+    assert dict(V["ours_modules"].options) == {"scope": "modules"} and dict(V["ours_auto"].options) == {"scope": "auto"}
+    assert V["ours_modules"].loss_reference == V["ours_auto"].loss_reference == "reference"
+    layer, loss = WORKLOADS["llama156m-hostcheck-2x512"], WORKLOADS["llama156m-itemloss-2x512"]
+    assert layer.name not in DEFAULT_WORKLOADS and loss.name not in DEFAULT_WORKLOADS
+    lm = BenchLM(dry_run(layer))
+    assert isinstance(lm.model.model.layers[1], HostCheck)
+    batch = {"input_ids": torch.randint(0, 512, (2, 32))}
+    batch["labels"] = batch["input_ids"]
+    seen = []
+    lm.model.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(1))
+    lm.training_step(batch)
+    assert seen == [1]
+    lm = BenchLM(dry_run(loss), log=False)
+    assert lm.training_step(batch).item() == lm.last_loss
+
+
 def test_dry_run_trains_every_variant_through_the_parent_and_child_processes(tmp_path):
     """The CPU smoke run: the Llama workload eagerly, with the optimizer prepared (eager and compiled) and compiled
     with the callback, each in its own process."""
@@ -434,6 +458,6 @@ def test_a_resumed_table_quotes_a_command_that_regenerates_every_run_it_holds():
     resumed = [_run("eager", 0, 40.0), _run("compile_ours", 0, 9.0)]  # llama156m-2x512
     cmd = table_command(args, resumed)
     assert "--workloads llama156m-2x512 gpt-tiny --variants eager compile_ours nemo" in cmd, cmd
-    every = [_run(v, 0, 1.0, workload=WORKLOADS[n].as_dict()) for n in WORKLOADS for v in DEFAULT_VARIANTS]
+    every = [_run(v, 0, 1.0, workload=WORKLOADS[n].as_dict()) for n in DEFAULT_WORKLOADS for v in DEFAULT_VARIANTS]
     assert table_command(args, every) == \
         "python -m benchmarks.harness --rounds 1 --out benchmarks/results --write-docs"

@@ -244,6 +244,164 @@ def test_a_loss_function_calling_item_outside_modules_leaves_the_whole_model_gra
     assert losses == [float(v) for v in e[0]] == seen
 
 
+class PosScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, pos):
+        return self.lin(x * pos)
+
+
+class Expanding(nn.Module):
+    """Hands its child a broadcast view (``expand``: stride 0), as HF models do with position ids and masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = PosScale()
+
+    def forward(self, x):
+        pos = torch.arange(4.0).expand(x.shape[0], 4)
+        if x.abs().max() > 100:  # a host read: the root is not a graph, its child is tried
+            x = x.clamp(-100, 100)
+        return self.inner(x, pos)
+
+
+def test_a_broadcast_input_is_copied_into_dense_static_memory():
+    g, e = both(Expanding, batches(6))
+    assert g[3].report.graphed == ["inner"] and list(g[3].report.islands) == [""]
+    assert_bitwise(g, e)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the optimizer side as one graph
+# ----------------------------------------------------------------------------------------------------------------------
+def train_sgd(graphed, steps=8, between=None, make_opt=None, clip=0.5, no_update=()):
+    """An SGD (momentum, weight decay) loop with clipping by norm before each update; with the tier and its optimizer
+    graph when graphed (the clipping handed to it as a framework's clipping would be)."""
+    torch.manual_seed(0)
+    model = Net(guard=True, dropout=0.0)
+    opt = (make_opt or (lambda ps: torch.optim.SGD(ps, lr=2.0**-5, momentum=0.9, weight_decay=0.01)))(
+        model.parameters())
+    tier = og = None
+    if graphed:
+        tier = PartialGraphs(model, CaptureConfig(warmup_steps=2), cpu, backend=TapeBackend())
+        named = list(model.named_parameters())
+        og = tier.graph_optimizer(opt, named, lambda: [
+            *named, *((f"{n}.grad", p.grad) for n, p in named if p.grad is not None),
+            *((f"state {k} of {i}", v) for i, st in enumerate(opt.state.values()) for k, v in st.items()
+              if isinstance(v, torch.Tensor))])
+    losses, params = [], []
+    for i, (x, y) in enumerate(batches(steps)):
+        if between is not None:
+            between(i, model, opt, tier)
+        with tier.step() if tier is not None else contextlib.nullcontext():
+            opt.zero_grad(set_to_none=False)
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            if clip is not None and not (og is not None and og.defer(torch.nn.utils.clip_grad_norm_,
+                                                                     list(model.parameters()), clip)):
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+            if i not in no_update:  # a step skipped after the clipping (a GradScaler that found an inf)
+                opt.step()
+        losses.append(float(loss.detach()))
+        params.append([p.detach().clone() for p in model.parameters()])
+    return losses, params, tier, opt
+
+
+def assert_same_training(g, e):
+    assert g[0] == e[0], "losses differ from eager"
+    for step, (a, b) in enumerate(zip(g[1], e[1])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: parameters differ from eager"
+
+
+def test_the_optimizer_side_is_one_graph_equal_to_eager():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = train_sgd(True)
+    assert_same_training(g, train_sgd(False))
+    rep = g[2].report
+    # warm-up steps 0-1 eager; step 2 the key's first eager step; step 3 captures (and is the step); 4-7 replay
+    assert (rep.optimizer_captures, rep.optimizer_replays) == (1, 4)
+    assert rep.optimizer.startswith("graphed") and "optimizer side graphed" in rep.summary()
+
+
+def test_the_clipping_handed_to_the_optimizer_graph_runs_in_it():
+    calls = []
+    orig = torch.nn.utils.clip_grad_norm_
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_ = counting
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = train_sgd(True)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = orig
+    # Python runs the clipping in the 3 eager steps and the capture; the 4 replays run its kernels without Python
+    assert len(calls) == 4
+    assert_same_training(g, train_sgd(False))
+    assert g[0] != train_sgd(False, clip=None)[0][: len(g[0])]  # the clipping matters in this loop
+
+
+def test_a_step_without_update_leaves_nothing_deferred_for_the_next():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = train_sgd(True, steps=10, no_update=(5,))
+    assert_same_training(g, train_sgd(False, steps=10, no_update=(5,)))
+    assert g[2].report.optimizer_captures == 1
+
+
+def test_a_gradient_set_to_none_recaptures_the_optimizer_graph():
+    def drop(i, model, opt, tier):
+        if i == 5:
+            opt.zero_grad(set_to_none=True)  # the next backward makes new gradients
+
+    with pytest.warns(UserWarning, match="optimizer step re-captured: the gradient of 'inp.weight' was replaced"):
+        g = train_sgd(True, steps=9, between=drop)
+    assert_same_training(g, train_sgd(False, steps=9, between=drop))
+    assert g[2].report.optimizer_recaptures == 1 and g[2].report.optimizer_captures == 2
+
+
+def test_a_moved_optimizer_state_is_found_when_marked_dirty():
+    def move(i, model, opt, tier):
+        if i == 5:
+            for st in opt.state.values():
+                st["momentum_buffer"] = st["momentum_buffer"].clone()  # as a loaded state would be
+            if tier is not None:
+                tier.optimizer.dirty = True  # what the owner's load_state_dict hooks say
+
+    with pytest.warns(UserWarning, match="optimizer step re-captured: 'state momentum_buffer of 0' was re-allocated"):
+        g = train_sgd(True, steps=9, between=move)
+    assert_same_training(g, train_sgd(False, steps=9, between=move))
+    assert g[2].report.optimizer_captures == 2
+
+
+def test_an_optimizer_that_reads_the_host_is_eager_with_its_reason():
+    # torch's non-capturable Adam reads its step counter on the host (bias corrections as Python floats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = train_sgd(True, make_opt=lambda ps: torch.optim.Adam(ps, lr=2.0**-6, foreach=False))
+    rep = g[2].report
+    assert rep.optimizer.startswith("eager: ") and "torch/optim/" in rep.optimizer, rep.optimizer
+    assert "optimizer side eager" in rep.summary()
+    assert rep.optimizer_replays == 0 and rep.graphed  # the modules stay graphed
+
+
+def test_close_gives_the_optimizer_its_step_back():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = PartialGraphs(model, CaptureConfig(), cpu, backend=TapeBackend())
+    tier.graph_optimizer(opt, list(model.named_parameters()), lambda: [])
+    assert "step" in opt.__dict__
+    tier.close()
+    tier.close()
+    assert "step" not in opt.__dict__ and opt.step.__func__ is torch.optim.SGD.step
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the autograd wiring
 # ----------------------------------------------------------------------------------------------------------------------
@@ -376,7 +534,7 @@ def test_scope_errors_name_the_class_and_argument():
         CudaGraphCallback(scope="partial")
     with pytest.raises(ValueError, match=r"CaptureConfig\(scope=None\) is invalid"):
         CaptureConfig(scope=None)
-    with pytest.raises(ValueError, match=r"CudaGraphCallback\(nan_action='skip'\) is invalid: scope='modules' runs"):
+    with pytest.raises(ValueError, match=r"CudaGraphCallback\(nan_action='skip'\) is invalid: scope='modules' graphs"):
         CudaGraphCallback(scope="modules", nan_action="skip")
     assert CaptureConfig().scope == "step"
 
@@ -407,7 +565,7 @@ class _GuardedGPT:
         return GuardedGPT
 
 
-def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=()):
+def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=None, **trainer_kw):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -422,8 +580,9 @@ def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=()):
     rec = lt.Rec()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[*cbs, rec], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, max_epochs=2)
-    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps), batch_size=2))
+                         num_sanity_val_steps=0, max_epochs=2, val_check_interval=val_every, **trainer_kw)
+    val = DataLoader(lt.Windows(2, seed=1), batch_size=2) if val_every else None
+    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps), batch_size=2), val_dataloaders=val)
     return lt.Run(trainer, rec, cb, module)
 
 
@@ -447,12 +606,90 @@ def test_lightning_partial_graphs_equal_eager(scope):
     e = _fit(lt, cls, False)
     lt.assert_same(g, e)
     # "modules": your optimizer as you wrote it, every step; "auto": as the whole-step warm-up prepared it
-    assert set(groups) == ({(True, False)} if scope == "modules" else {(False, True)})
+    assert set(groups) == {(False, True)}  # prepared as for whole-step graphs: the optimizer side is a graph
     rep = g.stats.partial
     assert rep is not None and rep.graphed == ["model"] and list(rep.islands) == ["guard"]
     assert rep.replays > 0 and g.cb.eager_reason is None
     assert g.stats.eager_reasons.get("partial graphs", 0) > 0 and g.stats.replays == 0
     assert "partial graphs:" in g.stats.summary()
+
+
+@pytest.mark.lightning_adapter
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph(algorithm, monkeypatch):
+    """Lightning's clipping (by norm, by value) and a per-step LR schedule with the optimizer side as one graph: the
+    clipping runs in the graph (Python clips in the eager steps and the capture only), the learning rate the graph
+    reads follows the schedule, and training equals eager."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+
+    def make():  # SGD: its update with your own scalar math is captured (a fused AdamW's is not: not bitwise)
+        return cls(sgd=True, sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 6)))
+
+    calls = []
+    name = "clip_grad_norm_" if algorithm == "norm" else "clip_grad_value_"
+    orig = getattr(torch.nn.utils, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, name, counting)
+    clip = {"gradient_clip_val": 0.05 if algorithm == "norm" else 1e-4, "gradient_clip_algorithm": algorithm}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, make, True, {"scope": "modules", "nan_guard": False}, steps=12, **clip)
+    graphed_calls = len(calls)
+    e = _fit(lt, make, False, steps=12, **clip)
+    lt.assert_same(g, e)
+    assert g.rec.lrs == e.rec.lrs and len(set(g.rec.lrs)) > 3
+    rep = g.stats.partial
+    assert rep.optimizer.startswith("graphed") and rep.optimizer_captures == 1 and rep.optimizer_replays >= 6
+    assert graphed_calls == 12 - rep.optimizer_replays and len(calls) - graphed_calls == 12
+    unclipped = _fit(lt, make, False, steps=12)
+    assert unclipped.rec.losses != e.rec.losses  # the clipping changes this training
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_recapture_the_optimizer_graph_when_a_baked_hyperparameter_changes():
+    """SGD's momentum is a Python float the optimizer graph bakes in: changed by the user between steps, the graph is
+    dropped and captured again with the new value, and training equals eager."""
+    import lightning.pytorch as pl
+
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+
+    class Momentum(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 7:
+                for g in trainer.optimizers[0].param_groups:
+                    g["momentum"] = 0.5
+
+    def make():
+        return cls(sgd=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, make, True, {"scope": "modules", "nan_guard": False}, steps=12, callbacks=[Momentum()])
+    e = _fit(lt, make, False, steps=12, callbacks=[Momentum()])
+    lt.assert_same(g, e)
+    assert g.stats.partial.optimizer_captures == 2
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_keep_the_optimizer_graph_across_validation():
+    """Lightning sets the gradients to None before validation; the optimizer graph's gradients are given back, so it
+    replays after validation without a re-capture."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, cls, True, {"scope": "modules", "nan_guard": False}, steps=12, val_every=4)
+    e = _fit(lt, cls, False, steps=12, val_every=4)
+    lt.assert_same(g, e)
+    assert g.rec.val == e.rec.val and len(g.rec.val) >= 2
+    rep = g.stats.partial
+    assert rep.optimizer_captures == 1 and rep.optimizer_recaptures == 0 and rep.optimizer_replays >= 6
 
 
 @pytest.mark.lightning_adapter
@@ -551,3 +788,75 @@ def test_an_island_inside_a_residual_block_changes_only_the_order_of_one_gradien
     assert list(cb.stats.partial.islands) == ["model.model.layers.1.mlp"]
     assert "model.model.layers.1.mlp.inner" in cb.stats.partial.graphed
     assert graphed == pytest.approx(eager, rel=1e-6)
+
+
+@pytest.mark.lightning_adapter
+def test_packed_sequences_train_with_partial_graphs_around_hfs_packing_question():
+    """Two documents per row, ``position_ids`` restarting at each (packed sequences, no mask): transformers 5 asks
+    the host where the documents start while it builds the mask, in the model's own code. That code is the island; the
+    embedding, every decoder layer, the norm, the rotary embedding and the head are graphs, and training equals eager."""
+    hf = pytest.importorskip("test_hf_cpu")
+    if not hf.TF5:
+        pytest.skip("transformers 5's mask code")
+    from hf_models import HFCausalLM
+
+    class Packed(HFCausalLM):
+        def training_step(self, batch, batch_idx):
+            ids = batch["input_ids"]
+            half = ids.shape[1] // 2
+            pos = torch.cat([torch.arange(half), torch.arange(ids.shape[1] - half)]).expand_as(ids)
+            return self.model(input_ids=ids, labels=batch["labels"], position_ids=pos, use_cache=False).loss
+
+    def fit(graphed, cb_kw=None):
+        import lightning.pytorch as pl
+        from torch.utils.data import DataLoader
+
+        pl.seed_everything(0, verbose=False)
+        module = Packed(hf.llama())
+        rec = hf.Losses()
+        cbs = [rec]
+        cb = None
+        if graphed:
+            cb = CudaGraphCallback(**cb_kw)
+            cb.step_runner.backend = TapeBackend()
+            cbs.insert(0, cb)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=hf.STEPS, callbacks=cbs, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(hf.TokenBatches(hf.STEPS), batch_size=None))
+        return module, rec.losses, cb
+
+    eager_module, eager, _ = fit(False)
+    module, graphed, cb = fit(True, {"scope": "modules"})
+    assert graphed == eager
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), eager_module.parameters()))
+    rep = cb.stats.partial
+    assert "model.model.embed_tokens" in rep.graphed and "model.lm_head" in rep.graphed
+    assert all(f"model.model.layers.{i}" in rep.graphed for i in range(len(module.model.model.layers)))
+    assert list(rep.islands) == ["model.model"]
+    assert "masking_utils.py:" in rep.islands["model.model"].replace("\\", "/")
+    assert rep.optimizer.startswith("graphed")
+
+
+@pytest.mark.lightning_adapter
+def test_mixtral_on_transformers_4_graphs_everything_but_its_routing():
+    """transformers 4.57's Mixtral routes tokens with a host read per expert (no experts interface to switch): each
+    sparse-MoE block is an island at that line, attention, norms, embedding and head are graphs. Training equals eager
+    but for the fused AdamW's graphed update, which takes its learning rate as a float32 tensor (``stats.optimizer_math``
+    says so): the last bits of a few parameters."""
+    hf = pytest.importorskip("test_hf_cpu")
+    if hf.TF5:
+        pytest.skip("transformers 4.x's Mixtral")
+    eager_module, eager, _ = hf.fit(hf.mixtral(), graphed=False)
+    module, graphed, cb = hf.fit(hf.mixtral(), graphed=True, cb_kw={"scope": "modules"})
+    assert graphed == eager
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-8) for a, b in zip(module.parameters(), eager_module.parameters()))
+    assert "fused" in cb.stats.optimizer_math
+    rep = cb.stats.partial
+    n = len(module.model.model.layers)
+    islands = [f"model.model.layers.{i}.block_sparse_moe" for i in range(n)]
+    assert sorted(rep.islands) == islands, rep.islands
+    assert all("modeling_mixtral.py:" in rep.islands[k].replace("\\", "/") for k in islands)
+    assert all(f"model.model.layers.{i}.self_attn" in rep.graphed for i in range(n))
+    assert rep.optimizer.startswith("graphed")

@@ -31,7 +31,10 @@ def build_model(w: Workload) -> nn.Module:
         cfg = transformers.LlamaConfig(vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate,
                                        num_hidden_layers=w.layers, num_attention_heads=w.heads,
                                        num_key_value_heads=w.kv_heads, max_position_embeddings=max(2048, w.seq))
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        if w.host_read == "layer":
+            model.model.layers[1] = HostCheck(model.model.layers[1])
+        return model
     if w.kind == "moe":
         import transformers
 
@@ -45,6 +48,20 @@ def build_model(w: Workload) -> nn.Module:
     if w.kind == "gpt":
         return GPT(gpt_config(w))
     raise ValueError(f"unknown workload kind {w.kind!r}")
+
+
+class HostCheck(nn.Module):
+    """A user's module around a decoder layer that asks the host about the hidden states (a read of the host in the
+    step: the partial tier's case)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if hidden_states.abs().max() > 1e4:
+            hidden_states = hidden_states.clamp(-1e4, 1e4)
+        return self.inner(hidden_states, *args, **kwargs)
 
 
 def gpt_config(w: Workload) -> Any:
@@ -149,6 +166,8 @@ class BenchLM(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: Optional[int] = None) -> torch.Tensor:
         # batch_idx optional: NeMo's callback calls training_step(batch)
         loss = self.loss(batch)
+        if self.workload.host_read == "loss":
+            self.last_loss = loss.item()  # a host read every step (the partial tier's case)
         if self.log_loss:
             self.log("train_loss", loss)
         return loss

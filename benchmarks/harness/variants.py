@@ -51,6 +51,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             "`CudaGraphCallback(optimizer_math=\"capturable\", fast_adam=False)`: the graph replays torch's own "
             "capturable AdamW update (one division kernel per parameter, twice): what `fast_adam` saves",
             ours=True, loss_reference="eager", options=(("optimizer_math", "capturable"), ("fast_adam", False))),
+    Variant("ours_modules", "ours, partial graphs",
+            "`CudaGraphCallback(scope=\"modules\")`: the forward and backward of the largest submodules that capture, "
+            "and the optimizer side, as graphs; the rest eagerly (what a step that cannot be one graph gets)",
+            ours=True, loss_reference="reference", options=(("scope", "modules"),)),
+    Variant("ours_auto", "ours, auto",
+            "`CudaGraphCallback(scope=\"auto\")`: the whole step where it captures, else partial graphs",
+            ours=True, loss_reference="reference", options=(("scope", "auto"),)),
     Variant("compile", "compile", "`torch.compile(model)` (mode `default`) in `configure_model`", compile="default",
             loss_reference="eager"),
     Variant("compile_reference", "compile, optimizer prepared",
@@ -78,9 +85,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             loss_reference="reference"),
 )}
 
-#: the table's variants; ``ours_noguard``, ``ours_capturable``, ``ours_torch_adam`` and their compiled forms run when
-#: asked for
-#: (``--variants``)
+#: the table's variants; ``ours_noguard``, ``ours_capturable``, ``ours_torch_adam`` and their compiled forms, and the
+#: partial tier's ``ours_modules`` and ``ours_auto``, run when asked for (``--variants``)
 DEFAULT_VARIANTS = ["eager", "reference", "ours", "compile", "compile_reference", "compile_ro", "compile_ours",
                     "nemo"]
 EAGER, COMPILED_EAGER = "eager", "compile"

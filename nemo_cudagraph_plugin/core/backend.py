@@ -32,6 +32,9 @@ class GraphBackend:
     device_type: str = "cuda"
     #: memset nodes of its captured graphs that it rewrote as fill kernels, over every capture
     memsets_rewritten: int = 0
+    #: a capture runs the work as it records it (a stand-in; CUDA only records): a capture that fails has written
+    #: what it ran, which the caller puts back before running the work eagerly
+    capture_runs_work: bool = False
 
     def new_graph(self) -> Any:
         """A graph object with ``replay()`` and ``register_generator_state(gen)``."""

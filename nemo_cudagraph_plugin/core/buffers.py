@@ -18,7 +18,7 @@ import torch
 
 from ._torch_compat import copy_all
 
-__all__ = ["flatten", "unflatten", "signature_of", "StaticInputs"]
+__all__ = ["flatten", "unflatten", "signature_of", "static_like", "StaticInputs"]
 
 # Spec nodes (all hashable):
 #   _T                                  a tensor leaf
@@ -129,6 +129,15 @@ def _builder(spec: Hashable) -> Callable[[Any], Any]:
     raise AssertionError(f"unknown spec node {spec!r}")
 
 
+def static_like(t: torch.Tensor) -> torch.Tensor:
+    """Uninitialised memory a graph reads in place of ``t``: ``t``'s own layout, so kernels read the strides of the
+    example, except where ``t`` is a broadcast view (a stride 0 over more than one element: ``expand``), which
+    nothing can be copied into; that one is dense."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
 def signature_of(leaves: list[torch.Tensor], spec: Hashable) -> Hashable:
     """Hashable key of a batch: its structure, non-tensor leaves and each tensor's shape/dtype/device.
 
@@ -159,8 +168,7 @@ class StaticInputs:
                     f"batch tensor #{i} requires grad; inputs of a captured step must be plain data tensors."
                 )
         self.spec = spec
-        # empty_strided keeps the example's layout, so kernels read the same strides they were captured with.
-        self.leaves = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in leaves]
+        self.leaves = [static_like(t) for t in leaves]
         for s, t in zip(self.leaves, leaves):
             s.copy_(t)
         self.batch = unflatten(spec, self.leaves)

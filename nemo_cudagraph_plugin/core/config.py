@@ -231,9 +231,9 @@ def _check(cfg: CaptureConfig, owner: str, typed: Optional[set[str]] = None) -> 
             raise bad("fp8_refresh", "align_pp_transposes=True needs the FP8 refresh; drop fp8_refresh=False")
         cfg.fp8_refresh = True
     if cfg.nan_action == "skip" and cfg.scope == "modules":
-        # The partial tier runs the optimizer as you wrote it: no fused kernel reads the guard's found_inf.
-        raise bad("nan_action", "scope='modules' runs your optimizer eagerly as you wrote it, which nothing can make "
-                  "skip an update on the device; use nan_action='raise'")
+        # The partial tier's optimizer graph does not read the guard's verdict (found_inf): nothing would be skipped.
+        raise bad("nan_action", "scope='modules' graphs the optimizer step without the NaN guard's verdict, so no "
+                  "update would be skipped; use nan_action='raise'")
     if cfg.nan_action == "skip" and cfg.nan_guard is False:
         # The guard's gradient check is what finds the updates to skip.
         raise bad("nan_guard", "nan_action='skip' needs the NaN guard to find the bad updates; drop nan_guard=False")
@@ -280,9 +280,12 @@ class PartialStats:
     replays: int = 0
     #: module calls run eagerly though their module is graphed: the reason -> count
     eager_calls: dict[str, int] = field(default_factory=dict)
-    #: what happens to the optimizer side of the step
-    optimizer: str = ("eager: zero-grad, clipping, the NaN guard and the optimizer step run eagerly every step, the "
-                      "optimizer prepared as for whole-step graphs (the partial tier does not graph them yet)")
+    #: what happens to the optimizer side of the step: "graphed: ..." or "eager: <why>"
+    optimizer: str = "eager: zero-grad, clipping, the NaN guard and the optimizer step run eagerly every step"
+    #: the optimizer side's graphs: captured, replayed (one per step), captured again (a gradient replaced)
+    optimizer_captures: int = 0
+    optimizer_replays: int = 0
+    optimizer_recaptures: int = 0
 
     @property
     def op_coverage(self) -> Optional[float]:

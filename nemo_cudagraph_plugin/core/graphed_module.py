@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ._torch_compat import autocast_cache_disabled, copy_all
 from .backend import GraphBackend
-from .buffers import flatten, unflatten, unflattener
+from .buffers import flatten, static_like, unflatten, unflattener
 from .errors import CaptureError
 from .rng import GeneratorRegistry
 
@@ -185,7 +185,7 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
     """
     grad = torch.is_grad_enabled()
     with torch.no_grad():
-        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in leaves]
+        static = [static_like(t) for t in leaves]
         for s, t in zip(static, leaves):
             s.copy_(t)
     for s, t in zip(static, leaves):

@@ -22,8 +22,9 @@ signature (structure, non-tensor values, shapes, dtypes, strides, which tensors 
 autocast) is the key of a graph; a new key gets one eager call, then a capture, bounded by ``max_graphs`` per
 module (``on_cache_full``). Generators registered with the tier advance with each replay, as the default one does.
 
-**Not graphed here:** the code outside modules (a loss computed in ``training_step``), the islands, and the
-optimizer side of the step (zero-grad, clipping, the optimizer step): they run eagerly, as written.
+**Not graphed here:** the code outside modules (a loss computed in ``training_step``) and the islands: they run
+eagerly, as written. The optimizer side of the step (clipping and the update) is one graph of its own where the owner
+asks for it (:meth:`PartialGraphs.graph_optimizer`, :mod:`.partial_optimizer`).
 
 **Coverage** (:class:`~.config.PartialStats`): the graphed modules, the islands with their reasons, the share of
 the step's modules inside graphs, and the share of its operators (as the dispatcher sees them: one eager step
@@ -49,6 +50,7 @@ from .errors import CaptureError, capture_error_from, root_cause
 from .graph_cache import GraphCache
 from .graphed_module import GraphedCall, ReplayTally, capture_call, module_tensors
 from .module_state import ModuleStateWatch
+from .partial_optimizer import OptimizerGraph
 from .rng import GeneratorRegistry
 
 __all__ = ["PartialGraphs"]
@@ -129,6 +131,8 @@ class PartialGraphs:
         self._events = 0  # captures, failures and eager calls of graphed modules this step
         self._counter: Optional[_OpCounter] = None
         self._measure: Optional[str] = None
+        #: the optimizer side of the step as one graph (:meth:`graph_optimizer`); ``None``: it runs eagerly
+        self.optimizer: Optional[OptimizerGraph] = None
         self._build(root)
 
     # ------------------------------------------------------------------------------------------
@@ -159,8 +163,28 @@ class PartialGraphs:
         forward.__wrapped__ = node.forward  # type: ignore[attr-defined]
         return forward
 
+    def graph_optimizer(self, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.Tensor]],
+                        tensors: Any, on_capture: Any = lambda: None) -> OptimizerGraph:
+        """Graph the optimizer side of each step (:class:`~.partial_optimizer.OptimizerGraph`: deferred clipping and
+        the update, in this tier's memory pool, after its warm-up); given back by :meth:`close`."""
+        self.optimizer = OptimizerGraph(
+            optimizer, named_params, tensors, self.backend, self.device, stream=lambda: self._stream,
+            pool=self._capture_pool, tally=self.tally, report=self.report,
+            active=lambda: self._in_step and self._warmup_left == 0, on_capture=on_capture)
+        return self.optimizer
+
+    def _capture_pool(self) -> Any:
+        """The memory pool of the next capture: a new one once every graph is gone (torch refuses a capture into a
+        pool whose graphs were destroyed)."""
+        if self._pool is None or not (any(len(n.cache) for n in self.nodes)
+                                      or (self.optimizer is not None and self.optimizer.graphs)):
+            self._pool = self.backend.pool()
+        return self._pool
+
     def close(self) -> None:
-        """Give every module its own ``forward`` back and drop the graphs (idempotent)."""
+        """Give every module its own ``forward`` and the optimizer its ``step`` back, drop the graphs (idempotent)."""
+        if self.optimizer is not None:
+            self.optimizer.close()
         for node in self.nodes:
             if node.forward is not None and node.module.__dict__.get("forward") is not None:
                 del node.module.__dict__["forward"]
@@ -190,6 +214,10 @@ class PartialGraphs:
         # Warm-up steps run on the stream the graphs are captured on, as the whole-step tier's do: the libraries'
         # per-stream state (cuBLAS workspaces) is then made before any capture, outside the graph pool.
         cur = be.current_stream(self.device) if warm else None
+        opt_events = 0
+        if self.optimizer is not None:
+            self.optimizer.begin_step()
+            opt_events = self.optimizer.events
         self._in_step = True
         try:
             with contextlib.ExitStack() as stack:
@@ -202,6 +230,8 @@ class PartialGraphs:
                 yield
         finally:
             self._in_step = False
+        if self.optimizer is not None:
+            self._events += self.optimizer.events - opt_events
         if warm:
             self._warmup_left -= 1
             for node in self.nodes:
@@ -254,7 +284,8 @@ class PartialGraphs:
                           stacklevel=4)
 
     def invalidate(self, reason: str) -> None:
-        """Drop every graph; each graphed module's next call of a signature runs eagerly, the one after captures."""
+        """Drop every module's graphs (a module value they bake in changed; the optimizer's graph reads none); each
+        graphed module's next call of a signature runs eagerly, the one after captures."""
         dropped = sum(len(n.cache) for n in self.nodes)
         for node in self.nodes:
             node.cache.clear()
@@ -303,9 +334,7 @@ class PartialGraphs:
     def _capture(self, node: _Node, key: Hashable, leaves: list, spec: Hashable, args: tuple, kwargs: dict) -> Any:
         be = self.backend
         self._events += 1
-        if self._pool is None or not any(len(n.cache) for n in self.nodes):
-            # A new pool once every graph is gone (torch refuses a capture into a pool whose graphs were destroyed).
-            self._pool = be.pool()
+        pool = self._capture_pool()
         # A failed capture must leave the step as if it had not been tried: the generators' draws and the module's
         # buffers (a backend that runs while it captures writes them) are put back before the eager call.
         rng = (be.rng_state(self.device), self.generators.states())
@@ -313,7 +342,7 @@ class PartialGraphs:
         self._capturing += 1
         failure: Optional[BaseException] = None
         try:
-            entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, self._pool, self._stream,
+            entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, pool, self._stream,
                                  self.generators, be.device_type, self.tally)
         except Exception as exc:  # noqa: BLE001 - every capture failure makes the module eager, with its reason
             failure = exc

@@ -152,6 +152,20 @@ def around_clip_by_norm(trainer: pl.Trainer, around: Callable[..., Any]) -> Call
     return lambda: precision.__dict__.pop("clip_grad_by_norm", None)
 
 
+def around_clip_gradients(trainer: pl.Trainer, around: Callable[..., Any]) -> Callable[[], None]:
+    """Route this trainer's ``precision_plugin.clip_gradients`` (public; what ``LightningModule.clip_gradients``
+    calls, by norm or by value) through ``around(original, *args, **kwargs)``, for this plugin instance only. Returns
+    the undo."""
+    precision = trainer.strategy.precision_plugin
+    original = precision.clip_gradients
+
+    def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+        return around(original, *args, **kwargs)
+
+    precision.clip_gradients = clip_gradients
+    return lambda: precision.__dict__.pop("clip_gradients", None)
+
+
 def around_backward(trainer: pl.Trainer, before: Callable[[torch.Tensor], None]) -> Callable[[], None]:
     """Call ``before(loss)`` at the start of this trainer's ``strategy.backward`` (public; every micro-batch, before
     the ``on_before_backward`` hooks), for this strategy instance only. Returns the undo."""

@@ -107,6 +107,7 @@ class LightningStepAdapter:
     ) -> None:
         self.config, self.stats, self.owner = config, stats, owner
         self.pl_module, self._loop, self._ddp = pl_module, loop, shares_grads
+        self._default_clipping = default_clipping
         self.generators = generators
         # What this adapter changed on the model and the optimizer, undone in reverse by close().
         self._undo = contextlib.ExitStack()
@@ -181,17 +182,16 @@ class LightningStepAdapter:
         if err is None:
             reason = "scope='modules'"
             rank_zero_info(f"{self.owner}(scope='modules'): the forward and backward of the submodules that capture "
-                           "are graphed after the warm-up; the rest of each step runs eagerly (stats.partial)")
-            # The optimizer runs eagerly in every step of this tier: as you wrote it (no capturable preparation).
-            self.prep.restore()
-            self.fast_adam = None
-            self.stats.optimizer_math = ""
+                           "and the optimizer side of the step are graphed after the warm-up; the rest of each step "
+                           "runs eagerly (stats.partial)")
         else:
             reason = f"the whole step does not capture: {str(err).splitlines()[0]}"
             warnings.warn(f"{self.owner}(scope='auto'): {reason}. Training with partial graphs from the next step: "
                           "the submodules that capture are graphed, the rest runs eagerly (stats.partial).",
                           stacklevel=2)
         self.engine.hand_over(reason)
+        # fast_adam's scalar update is a context of whole-step captures; here the prepared optimizer's own is graphed.
+        self.fast_adam = None
         self._grads = []
         if self.config.verify_steps:
             warnings.warn(f"{self.owner}(verify_steps={self.config.verify_steps}): partial graphs are not verified "
@@ -201,11 +201,27 @@ class LightningStepAdapter:
                                      generators=self.generators, stats=self.stats,
                                      warmup_steps=None if err is None else 1)
         self._undo.callback(self.partial.close)
-        self.partial.report.optimizer = (
-            "eager: zero-grad, clipping, the NaN guard and the optimizer step run eagerly every step"
-            + (", the optimizer as you wrote it" if not self.prep.applied else
-               ", the optimizer prepared as for whole-step graphs (its warm-up steps ran so)")
-            + " (the partial tier does not graph them yet)")
+        named = self.engine.named_params
+        names = {id(p): n for n, p in self.pl_module.named_parameters()}
+        self.partial.graph_optimizer(
+            self.prep.optimizer, list(named),
+            lambda: [*named, *((f"{n}.grad", p.grad) for n, p in named if p.grad is not None),
+                     *self.prep.state_tensors(names)],
+            on_capture=self._keep_partial_grads)
+
+    def _keep_partial_grads(self) -> None:
+        """The gradients the optimizer's graph reads (zeroed in place in this tier); given back after Lightning
+        frees them before validation (:meth:`reattach_grads`)."""
+        self._grads = [(p, p.grad) for _, p in self.engine.named_params if p.grad is not None]
+
+    def around_clip_gradients(self, clip: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's gradient clipping (``precision_plugin.clip_gradients``), routed here at bind where partial
+        graphs may run: in a graphed step of that tier, with Lightning's own ``configure_gradient_clipping`` (nothing
+        of yours runs between the clipping and the update), it becomes the first part of the optimizer's graph."""
+        opt = self.partial.optimizer if self.partial is not None else None
+        if opt is not None and self._default_clipping and opt.defer(clip, *args, **kwargs):
+            return None
+        return clip(*args, **kwargs)
 
     def _own_grads(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
         # Steps that accumulate across batches (accumulate_grad_batches > 1, DDP's bucket views) need
@@ -268,13 +284,17 @@ class LightningStepAdapter:
         """One batch through the engine: ``call(batch)`` runs Lightning's original step on ``batch``."""
         # Nothing accumulates across steps: the step may own its gradients (not with DDP, whose
         # reducer keeps gradients as views of its buckets).
-        self._fresh = fresh = key.zero_grad and key.optimizer_step and key.accumulate_grad_batches == 1 and not self._ddp
+        # The partial tier zeroes gradients in place: the optimizer's graph reads them where they are.
+        partial = self.partial
+        self._fresh = fresh = (key.zero_grad and key.optimizer_step and key.accumulate_grad_batches == 1
+                               and not self._ddp and partial is None)
         self._key = key  # read by the module-state guard and the NaN guard's points
 
         def fn(b: Any, quiet: bool = False) -> Any:
             return self._recorded(lambda: call(b), quiet)
 
-        partial = self.partial
+        if partial is not None and partial.optimizer is not None:
+            partial.optimizer.follow()
         with partial.step() if partial is not None else contextlib.nullcontext():
             out, values, token = self.engine.step(
                 batch,
@@ -380,12 +400,13 @@ class LightningStepAdapter:
     # guards and events
     # ------------------------------------------------------------------------------------------
     def _hyperparam_guard(self) -> Optional[str]:
-        if not self.prep.applied:  # the partial tier's scope="modules" gave the optimizer back as you wrote it
-            return None
         changed = self.prep.sync_hyperparams()
         if changed is None:
             return None
         self.prep.freeze_scalars()
+        opt_graph = self.partial.optimizer if self.partial is not None else None
+        if opt_graph is not None:
+            opt_graph.invalidate()
         self._hp_changes += 1
         if self._hp_changes > _MAX_HP_RECAPTURES:
             msg = (
@@ -397,6 +418,9 @@ class LightningStepAdapter:
             )
             if self.config.on_capture_error == "raise":
                 raise CaptureError(msg + ", or pass on_capture_error='eager'.", rule="scheduled-hyperparameter")
+            if opt_graph is not None:
+                opt_graph.disable(msg)
+                return None
             self.engine.disable(msg)
             return msg
         return f"optimizer hyperparameter changed ({changed}); it is baked into the graph as a constant"
@@ -454,6 +478,8 @@ class LightningStepAdapter:
         if reprep and self.prep.applied:
             self.prep.apply()  # a loaded state may bring float lr / CPU step counters back
         self.engine.dirty = True
+        if self.partial is not None and self.partial.optimizer is not None:
+            self.partial.optimizer.dirty = True
 
     def reattach_grads(self) -> None:
         """Lightning frees gradients before validation; give the graphs' gradient buffers back."""

@@ -192,6 +192,8 @@ class LightningStepRunner:
             undo.callback(_compat.after_closure(self.trainer, points.after_backward))
             if points.around_clip_by_norm is not None:
                 undo.callback(_compat.around_clip_by_norm(self.trainer, points.around_clip_by_norm))
+        if self.config.scope != "step":  # the partial tier's optimizer graph takes Lightning's clipping in
+            undo.callback(_compat.around_clip_gradients(self.trainer, adapter.around_clip_gradients))
 
     def unbind(self) -> None:
         """Undo everything :meth:`bind` changed, latest first (also after an exception; idempotent)."""
