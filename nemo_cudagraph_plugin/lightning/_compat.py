@@ -139,31 +139,28 @@ class StepKey(NamedTuple):
     precision: str
 
 
-def around_clip_by_norm(trainer: pl.Trainer, around: Callable[..., Any]) -> Callable[[], None]:
-    """Route this trainer's ``precision_plugin.clip_grad_by_norm`` (public; Lightning's clipping by norm) through
-    ``around(original, *args, **kwargs)``, for this plugin instance only. Returns the undo."""
+def _around_precision(trainer: pl.Trainer, name: str, around: Callable[..., Any]) -> Callable[[], None]:
+    """Route this trainer's ``precision_plugin.<name>`` through ``around(original, *args, **kwargs)``, for this plugin
+    instance only (an instance attribute). Returns the undo."""
     precision = trainer.strategy.precision_plugin
-    original = precision.clip_grad_by_norm
+    original = getattr(precision, name)
 
-    def clip_grad_by_norm(*args: Any, **kwargs: Any) -> Any:
+    def routed(*args: Any, **kwargs: Any) -> Any:
         return around(original, *args, **kwargs)
 
-    precision.clip_grad_by_norm = clip_grad_by_norm
-    return lambda: precision.__dict__.pop("clip_grad_by_norm", None)
+    setattr(precision, name, routed)
+    return lambda: precision.__dict__.pop(name, None)
+
+
+def around_clip_by_norm(trainer: pl.Trainer, around: Callable[..., Any]) -> Callable[[], None]:
+    """Route ``precision_plugin.clip_grad_by_norm`` (public; Lightning's clipping by norm) through ``around``."""
+    return _around_precision(trainer, "clip_grad_by_norm", around)
 
 
 def around_clip_gradients(trainer: pl.Trainer, around: Callable[..., Any]) -> Callable[[], None]:
-    """Route this trainer's ``precision_plugin.clip_gradients`` (public; what ``LightningModule.clip_gradients``
-    calls, by norm or by value) through ``around(original, *args, **kwargs)``, for this plugin instance only. Returns
-    the undo."""
-    precision = trainer.strategy.precision_plugin
-    original = precision.clip_gradients
-
-    def clip_gradients(*args: Any, **kwargs: Any) -> Any:
-        return around(original, *args, **kwargs)
-
-    precision.clip_gradients = clip_gradients
-    return lambda: precision.__dict__.pop("clip_gradients", None)
+    """Route ``precision_plugin.clip_gradients`` (public; what ``LightningModule.clip_gradients`` calls, by norm or by
+    value) through ``around``."""
+    return _around_precision(trainer, "clip_gradients", around)
 
 
 def around_backward(trainer: pl.Trainer, before: Callable[[torch.Tensor], None]) -> Callable[[], None]:
