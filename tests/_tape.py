@@ -350,11 +350,13 @@ class _Recorder(TorchDispatchMode):
 
 
 class _Pool:
-    """A graph memory-pool handle: the graphs captured into it (weakly) and whether any ever was."""
+    """A graph memory-pool handle: the graphs captured into it (weakly), whether any ever was, and whether a failed
+    capture left the allocator recording into it."""
 
     def __init__(self) -> None:
         self.graphs: weakref.WeakSet[TapeGraph] = weakref.WeakSet()
         self.used = False
+        self.stuck = False
 
 
 class _Stream:
@@ -376,7 +378,9 @@ class TapeBackend(GraphBackend):
     Memory pools follow torch's caching allocator: a pool handle lives while a graph captured into it lives; capturing
     into a pool all of whose graphs were destroyed fails (torch: ``it->second->use_count > 0 INTERNAL ASSERT FAILED``
     in ``capture_begin`` while tensors allocated in that pool are still alive), so an engine must take a new handle
-    once it has dropped every graph.
+    once it has dropped every graph. A capture that fails leaves its pool refusing every later capture (torch 2.11
+    ends a capture that a CUDA error invalidated without ending the allocator's routing into the pool, and the next
+    capture into that pool fails with ``beginAllocateToPool: already recording to mempool_id``).
 
     Attributes:
         graphs: weak references to every graph captured through this backend, in order.
@@ -405,11 +409,19 @@ class TapeBackend(GraphBackend):
             if pool.used and not len(pool.graphs):
                 raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (tape stand-in of torch's caching "
                                    "allocator: capture into a pool whose graphs were all destroyed)")
+            if pool.stuck:
+                raise RuntimeError("beginAllocateToPool: already recording to mempool_id (tape stand-in of torch's "
+                                   "caching allocator after a failed capture into this pool)")
             pool.used = True
             pool.graphs.add(graph)
         graph.ops.clear()
-        with _Recorder(graph, self.sync_in_capture):
-            yield
+        try:
+            with _Recorder(graph, self.sync_in_capture):
+                yield
+        except BaseException:
+            if isinstance(pool, _Pool):
+                pool.stuck = True
+            raise
         graph._fresh = True
         self.graphs.append(weakref.ref(graph))
 

@@ -12,7 +12,7 @@ machine without a GPU by a stand-in backend whose "graph" re-runs the recorded t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -21,7 +21,7 @@ from . import _cuda_nodes
 from .config import CaptureConfig
 from .warn import warn_once
 
-__all__ = ["CudaBackend", "GraphBackend"]
+__all__ = ["CapturePool", "CudaBackend", "GraphBackend"]
 
 
 class GraphBackend:
@@ -77,6 +77,37 @@ class GraphBackend:
 
     def set_rng_state(self, state: Any, device: torch.device) -> None:
         raise NotImplementedError
+
+
+class CapturePool:
+    """The memory pool a series of captures share, renewed where torch would refuse the next capture into it.
+
+    * Once every graph captured into it is gone: torch refuses a capture into a pool whose graphs were all destroyed
+      while tensors allocated in it (gradients, a guard's tables) still live.
+    * After a capture that failed: a capture that a CUDA error invalidated (a host read, an uncapturable call) ends
+      without the caching allocator ending its routing into the pool (torch 2.11), and the next capture into that
+      pool fails (``beginAllocateToPool: already recording to mempool_id``) however capturable it is.
+
+    Graphs of different pools share no memory; each graph keeps the memory it reads alive, whichever pool it is in.
+
+    Args:
+        backend: makes the handles.
+        live: whether a graph captured into the current handle still lives.
+    """
+
+    def __init__(self, backend: GraphBackend, live: Callable[[], bool]) -> None:
+        self._backend, self._live = backend, live
+        self._handle: Any = None
+
+    def get(self) -> Any:
+        """The handle of the next capture."""
+        if self._handle is None or not self._live():
+            self._handle = self._backend.pool()
+        return self._handle
+
+    def failed(self) -> None:
+        """A capture into the current handle failed: the next capture takes a new one."""
+        self._handle = None
 
 
 class CudaBackend(GraphBackend):

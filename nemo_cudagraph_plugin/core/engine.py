@@ -71,7 +71,7 @@ from torch import Tensor
 from ._torch_compat import copy_all
 from .adapter import Guard, StepAdapter, StepFunctions
 from .addresses import AddressBook, difference, moved_in_capture
-from .backend import GraphBackend, default_backend
+from .backend import CapturePool, GraphBackend, default_backend
 from .buffers import StaticInputs, flatten, signature_of, unflattener
 from .config import CaptureConfig, CaptureStats
 from .errors import CaptureError, capture_error_from, is_sync_error, root_cause
@@ -177,7 +177,7 @@ class CaptureEngine:
         self.addresses = AddressBook(named_params, self.adapter)
         self.parity = StepParity(self.backend, device, self.generators, self.adapter, self.stats, config.verify_rtol)
         self.disabled_reason: Optional[str] = None
-        self._pool: Any = None
+        self._pool = CapturePool(self.backend, lambda: len(self.cache) > 0)
         self._stream: Any = None
         self._warmup_left = config.warmup_steps
         self._seen: set[Hashable] = set()
@@ -393,10 +393,6 @@ class CaptureEngine:
         inputs = StaticInputs(leaves, spec, self.device)
         graph = be.new_graph()
         self.generators.apply(graph)
-        if self._pool is None or not len(self.cache):
-            # A new pool once every graph is gone: torch refuses a capture into a pool whose graphs were all
-            # destroyed while tensors allocated in it (gradients, the guard's tables) still live.
-            self._pool = be.pool()
         owns = fresh_grads
         if owns:
             # Backward then writes fresh gradients into the graph's memory: no zeroing kernel and no
@@ -415,16 +411,18 @@ class CaptureEngine:
             with contextlib.ExitStack() as checks:
                 for make in self.adapter.capture_contexts():
                     checks.enter_context(make())
-                with be.capture(graph, self._pool, self._side_stream()):
+                with be.capture(graph, self._pool.get(), self._side_stream()):
                     out = fn(inputs.batch)
             for check in self.adapter.post_capture_checks():
                 check()
             out_leaves, out_spec = flatten(out)
             io = be.finish(graph, (inputs.leaves, out_leaves))  # the backend decided io_in_graph once
         except CaptureError as err:  # a hazard check refused this capture
+            self._pool.failed()
             undo()
             return self._handle_capture_error(err, err, fn, batch)
         except Exception as exc:  # noqa: BLE001
+            self._pool.failed()
             original = root_cause(exc)
             undo()
             err = capture_error_from(original, "capture")

@@ -3,7 +3,8 @@
 :func:`capture_call` captures a module's forward for one input signature into a forward graph; where anything
 needs a gradient, the first backward of the call captures the backward of that forward (``torch.autograd.grad`` of
 the outputs with respect to the inputs that require a gradient and the module's own trainable parameters, on the
-autograd graph the forward's capture built) into a backward graph, both in the memory pool of the caller, as
+autograd graph the forward's capture built) into a backward graph, both in the caller's memory pool (the one it has
+at each capture: after a failed capture that is a new one, :class:`~.backend.CapturePool`), as
 ``torch.cuda.make_graphed_callables`` does (which captures both up front, with gradients it makes up).
 :class:`GraphedCall` replays them:
 
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ._torch_compat import autocast_cache_disabled, copy_all
-from .backend import GraphBackend
+from .backend import CapturePool, GraphBackend
 from .buffers import flatten, static_like, unflatten, unflattener
 from .errors import CaptureError
 from .rng import GeneratorRegistry
@@ -175,7 +176,7 @@ def module_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leaves: list[Tensor], spec: Hashable,
-                 backend: GraphBackend, pool: Any, stream: Any, generators: GeneratorRegistry,
+                 backend: GraphBackend, pool: CapturePool, stream: Any, generators: GeneratorRegistry,
                  device_type: str, tally: ReplayTally) -> GraphedCall:
     """Capture ``forward`` (the module's own forward) for the call whose arguments flatten to ``leaves``/``spec``.
 
@@ -201,7 +202,7 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
     generators.apply(fwd)  # the default generator is the backend's; dropout draws anew every replay
     # Autocast's cache of cast weights would hand the graph a tensor of the eager step (freed later) or keep one of
     # the graph's pool for eager code: casts inside the graph are its own.
-    with autocast_cache_disabled(), backend.capture(fwd, pool, stream):
+    with autocast_cache_disabled(), backend.capture(fwd, pool.get(), stream):
         out = forward(*args, **kwargs)
     backend.finish(fwd, None)
     outs, out_spec = flatten(out)
@@ -228,7 +229,7 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
 
     return GraphedCall(name, fwd, static, params, out_spec, outs, diff, {n: t.data_ptr() for n, t in named},
                        [t.untyped_storage() for _, t in named], tally, new_graph,
-                       lambda graph: backend.capture(graph, pool, stream), lambda graph: backend.finish(graph, None))
+                       lambda graph: backend.capture(graph, pool.get(), stream), lambda graph: backend.finish(graph, None))
 
 
 def _check_leaves(name: str, outputs: list[Tensor], wrt: list[Tensor]) -> None:

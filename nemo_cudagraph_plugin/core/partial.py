@@ -8,7 +8,8 @@ free: it knows modules, not trainers.
 noted. Then the largest modules are tried first: a module called exactly once per step is a candidate unless an
 ancestor is one (a module the step never calls, or calls more than once, passes the question to its children). A
 candidate's next call is captured (:func:`~.graphed_module.capture_call`: the forward graph at the call, the
-backward graph at its backward; one memory pool). Where the capture raises (a host read, a CPU tensor made in the forward, a data-dependent shape), the module's
+backward graph at its backward; the graphs share one memory pool until a capture fails, :class:`~.backend.CapturePool`).
+Where the capture raises (a host read, a CPU tensor made in the forward, a data-dependent shape), the module's
 reason is kept (the capture error with its file:line, :mod:`.errors`), its children become the candidates, and the
 module runs eagerly in that same call, so its children are tried right away: one step resolves the whole tree (a
 backward that does not capture gives that call's gradients eagerly; the children are tried from the next step).
@@ -43,7 +44,7 @@ from torch import nn
 
 from ._torch_compat import TorchDispatchMode, autocast_state
 from .addresses import difference
-from .backend import GraphBackend, default_backend
+from .backend import CapturePool, GraphBackend, default_backend
 from .buffers import flatten, signature_of
 from .config import CaptureConfig, CaptureStats, PartialStats
 from .errors import CaptureError, capture_error_from, root_cause
@@ -126,7 +127,7 @@ class PartialGraphs:
         self._warmup_left = max(1, config.warmup_steps if warmup_steps is None else warmup_steps)
         self._in_step = False
         self._capturing = 0
-        self._pool: Any = None
+        self._pool = CapturePool(self.backend, self._graphs_live)
         self._stream: Any = None
         self._events = 0  # captures, failures and eager calls of graphed modules this step
         self._counter: Optional[_OpCounter] = None
@@ -169,17 +170,12 @@ class PartialGraphs:
         the update, in this tier's memory pool, after its warm-up); given back by :meth:`close`."""
         self.optimizer = OptimizerGraph(
             optimizer, named_params, tensors, self.backend, self.device, stream=lambda: self._stream,
-            pool=self._capture_pool, tally=self.tally, report=self.report,
+            pool=self._pool, tally=self.tally, report=self.report,
             active=lambda: self._in_step and self._warmup_left == 0, on_capture=on_capture)
         return self.optimizer
 
-    def _capture_pool(self) -> Any:
-        """The memory pool of the next capture: a new one once every graph is gone (torch refuses a capture into a
-        pool whose graphs were destroyed)."""
-        if self._pool is None or not (any(len(n.cache) for n in self.nodes)
-                                      or (self.optimizer is not None and self.optimizer.graphs)):
-            self._pool = self.backend.pool()
-        return self._pool
+    def _graphs_live(self) -> bool:
+        return any(len(n.cache) for n in self.nodes) or (self.optimizer is not None and bool(self.optimizer.graphs))
 
     def close(self) -> None:
         """Give every module its own ``forward`` and the optimizer its ``step`` back, drop the graphs (idempotent)."""
@@ -334,7 +330,6 @@ class PartialGraphs:
     def _capture(self, node: _Node, key: Hashable, leaves: list, spec: Hashable, args: tuple, kwargs: dict) -> Any:
         be = self.backend
         self._events += 1
-        pool = self._capture_pool()
         # A failed capture must leave the step as if it had not been tried: the generators' draws and the module's
         # buffers (a backend that runs while it captures writes them) are put back before the eager call.
         rng = (be.rng_state(self.device), self.generators.states())
@@ -342,13 +337,14 @@ class PartialGraphs:
         self._capturing += 1
         failure: Optional[BaseException] = None
         try:
-            entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, pool, self._stream,
+            entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, self._pool, self._stream,
                                  self.generators, be.device_type, self.tally)
         except Exception as exc:  # noqa: BLE001 - every capture failure makes the module eager, with its reason
             failure = exc
         finally:
             self._capturing -= 1
         if failure is not None:
+            self._pool.failed()
             be.set_rng_state(rng[0], self.device)
             self.generators.set_states(rng[1])
             with torch.no_grad():
@@ -373,6 +369,7 @@ class PartialGraphs:
         """The backward of a captured forward did not capture (its gradients this once came eagerly): the module is
         not a graph from the next step on; its children are tried in their next calls."""
         what = f"module '{node.name}' (backward)"
+        self._pool.failed()
         self._events += 1
         self._split(node, exc if isinstance(exc, CaptureError) else capture_error_from(root_cause(exc), what), what)
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ._torch_compat import mark_step_called
 from .addresses import difference
-from .backend import GraphBackend
+from .backend import CapturePool, GraphBackend
 from .config import PartialStats
 from .errors import capture_error_from, root_cause
 from .graphed_module import ReplayTally
@@ -67,7 +67,7 @@ class OptimizerGraph:
         tensors: every tensor the update reads or writes, named for messages (parameters, gradients, state).
         backend, device: the device interface.
         stream: the side stream graphs are captured on.
-        pool: the memory pool of the next capture (shared with the modules' graphs).
+        pool: the memory pool of the captures (shared with the modules' graphs).
         tally: the tier's replay tally (an operator counter tells replays apart).
         report: where the tier's counters go (``optimizer``, ``optimizer_captures``, ``optimizer_replays``).
         active: whether a step of the tier is running past its warm-up (else the update runs eagerly).
@@ -76,7 +76,7 @@ class OptimizerGraph:
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, Tensor]],
                  tensors: Callable[[], list[tuple[str, Tensor]]], backend: GraphBackend, device: torch.device, *,
-                 stream: Callable[[], Any], pool: Callable[[], Any], tally: ReplayTally, report: PartialStats,
+                 stream: Callable[[], Any], pool: CapturePool, tally: ReplayTally, report: PartialStats,
                  active: Callable[[], bool], on_capture: Callable[[], None] = lambda: None) -> None:
         self.optimizer, self.named_params, self.tensors = optimizer, named_params, tensors
         self.backend, self.device = backend, device
@@ -173,10 +173,11 @@ class OptimizerGraph:
         # Where a capture runs what it records, a failed one has clipped and updated part-way: put that back.
         saved = [(t, t.clone()) for _, t in self.tensors()] if be.capture_runs_work else []
         try:
-            with be.capture(graph, self._pool(), self._stream()):
+            with be.capture(graph, self._pool.get(), self._stream()):
                 update()
             be.finish(graph, None)
         except Exception as exc:  # noqa: BLE001 - the optimizer runs eagerly from now on, with its reason
+            self._pool.failed()
             with torch.no_grad():
                 for t, copy in saved:
                     t.copy_(copy)
