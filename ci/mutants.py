@@ -1409,27 +1409,19 @@ MUTANTS: list[Mutant] = [
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
            "the inputs are copied into the static tensors the capture's autograd graph saved: the backward's capture "
            "finds them modified in place and no module stays a graph"),
-    Mutant("partial-failed-capture-pool-reused", "cpu", PARTIAL,
-           "        if failure is not None:\n            self._pool.failed()\n",
-           "        if failure is not None:\n",
-           (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
-           "the pool a module's failed capture left the allocator recording into is used again: on CUDA every later "
-           "capture into it fails and the modules after the first island stay eager"),
-    Mutant("partial-failed-backward-pool-reused", "cpu", PARTIAL,
-           "        what = f\"module '{node.name}' (backward)\"\n        self._pool.failed()\n",
-           "        what = f\"module '{node.name}' (backward)\"\n",
-           (PT + "test_a_backward_that_reads_the_host_makes_an_island_after_its_eager_gradients",),
-           "the pool a failed backward capture left recording is used again: the captures after it fail"),
+    Mutant("failed-capture-pool-reused", "cpu", "nemo_cudagraph_plugin/core/backend.py",
+           "        except BaseException:\n            self._handle = None\n            raise\n",
+           "        except BaseException:\n            raise\n",
+           (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",
+            PT + "test_a_backward_that_reads_the_host_makes_an_island_after_its_eager_gradients",
+            PT + "test_an_optimizer_that_reads_the_host_is_eager_with_its_reason"),
+           "the pool a failed capture left the allocator recording into is used again: on CUDA every later capture "
+           "into it fails and the modules after the first island stay eager"),
     Mutant("partial-backward-captured-into-the-forwards-pool", "cpu", GMOD,
-           "lambda graph: backend.capture(graph, pool.get(), stream)",
+           "lambda graph: pool.capture(graph, stream)",
            "lambda graph, fixed=pool.get(): backend.capture(graph, fixed, stream)",
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
            "a backward is captured into the pool its forward had, which a failed capture in between left unusable"),
-    Mutant("partial-optimizer-failed-pool-reused", "cpu", POPT,
-           "            self._pool.failed()\n",
-           "",
-           (PT + "test_an_optimizer_that_reads_the_host_is_eager_with_its_reason",),
-           "the pool a failed optimizer capture left recording is used again"),
 ]
 
 

@@ -105,9 +105,16 @@ class CapturePool:
             self._handle = self._backend.pool()
         return self._handle
 
-    def failed(self) -> None:
-        """A capture into the current handle failed: the next capture takes a new one."""
-        self._handle = None
+    @contextlib.contextmanager
+    def capture(self, graph: Any, stream: Any) -> Iterator[None]:
+        """``backend.capture`` of ``graph`` into the current handle; a capture that raises makes the next one take a
+        new handle."""
+        try:
+            with self._backend.capture(graph, self.get(), stream):
+                yield
+        except BaseException:
+            self._handle = None
+            raise
 
 
 class CudaBackend(GraphBackend):

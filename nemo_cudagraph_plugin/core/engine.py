@@ -411,18 +411,16 @@ class CaptureEngine:
             with contextlib.ExitStack() as checks:
                 for make in self.adapter.capture_contexts():
                     checks.enter_context(make())
-                with be.capture(graph, self._pool.get(), self._side_stream()):
+                with self._pool.capture(graph, self._side_stream()):
                     out = fn(inputs.batch)
             for check in self.adapter.post_capture_checks():
                 check()
             out_leaves, out_spec = flatten(out)
             io = be.finish(graph, (inputs.leaves, out_leaves))  # the backend decided io_in_graph once
         except CaptureError as err:  # a hazard check refused this capture
-            self._pool.failed()
             undo()
             return self._handle_capture_error(err, err, fn, batch)
         except Exception as exc:  # noqa: BLE001
-            self._pool.failed()
             original = root_cause(exc)
             undo()
             err = capture_error_from(original, "capture")

@@ -202,7 +202,7 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
     generators.apply(fwd)  # the default generator is the backend's; dropout draws anew every replay
     # Autocast's cache of cast weights would hand the graph a tensor of the eager step (freed later) or keep one of
     # the graph's pool for eager code: casts inside the graph are its own.
-    with autocast_cache_disabled(), backend.capture(fwd, pool.get(), stream):
+    with autocast_cache_disabled(), pool.capture(fwd, stream):
         out = forward(*args, **kwargs)
     backend.finish(fwd, None)
     outs, out_spec = flatten(out)
@@ -229,7 +229,7 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
 
     return GraphedCall(name, fwd, static, params, out_spec, outs, diff, {n: t.data_ptr() for n, t in named},
                        [t.untyped_storage() for _, t in named], tally, new_graph,
-                       lambda graph: backend.capture(graph, pool.get(), stream), lambda graph: backend.finish(graph, None))
+                       lambda graph: pool.capture(graph, stream), lambda graph: backend.finish(graph, None))
 
 
 def _check_leaves(name: str, outputs: list[Tensor], wrt: list[Tensor]) -> None:

@@ -344,7 +344,6 @@ class PartialGraphs:
         finally:
             self._capturing -= 1
         if failure is not None:
-            self._pool.failed()
             be.set_rng_state(rng[0], self.device)
             self.generators.set_states(rng[1])
             with torch.no_grad():
@@ -369,7 +368,6 @@ class PartialGraphs:
         """The backward of a captured forward did not capture (its gradients this once came eagerly): the module is
         not a graph from the next step on; its children are tried in their next calls."""
         what = f"module '{node.name}' (backward)"
-        self._pool.failed()
         self._events += 1
         self._split(node, exc if isinstance(exc, CaptureError) else capture_error_from(root_cause(exc), what), what)
 

@@ -173,11 +173,10 @@ class OptimizerGraph:
         # Where a capture runs what it records, a failed one has clipped and updated part-way: put that back.
         saved = [(t, t.clone()) for _, t in self.tensors()] if be.capture_runs_work else []
         try:
-            with be.capture(graph, self._pool.get(), self._stream()):
+            with self._pool.capture(graph, self._stream()):
                 update()
             be.finish(graph, None)
         except Exception as exc:  # noqa: BLE001 - the optimizer runs eagerly from now on, with its reason
-            self._pool.failed()
             with torch.no_grad():
                 for t, copy in saved:
                     t.copy_(copy)
