@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from nemo_cudagraph_plugin.core import kernel_args
 from nemo_cudagraph_plugin.core.backend import GraphBackend
 from nemo_cudagraph_plugin.core.rng import GeneratorRegistry
 
@@ -235,6 +236,8 @@ class TapeGraph:
         self._fresh = False
         self._tally = tally if tally is not None else [0]  # replays over every graph of its backend
         self.io: Optional[TapeIO] = None
+        self.host_scalars: dict = {}  # the capture's sentinels (kernel_args), as CUDA graphs keep them
+        self.args: Optional[TapeScalarArgs] = None
 
     def register_generator_state(self, generator: torch.Generator) -> None:
         """Like ``CUDAGraph.register_generator_state``: replays advance ``generator``."""
@@ -249,6 +252,8 @@ class TapeGraph:
         """Re-execute the tape on the recorded memory (the first call after a capture does nothing: capture
         already ran the step once, where a CUDA capture only records it)."""
         io = self.io
+        if self.args is not None:
+            self.args.bind()
         if self._fresh:
             self._fresh = False
             if io is not None:
@@ -273,6 +278,41 @@ class TapeGraph:
                 io.copy_out()
         self.replays += 1
         self._tally[0] += 1
+
+
+class TapeScalarArgs:
+    """What ``core._cuda_nodes.ScalarArgs`` is to a graph: the recorded ops' float arguments that are a host scalar's
+    sentinel (``core.kernel_args``) take the scalar's current value before a replay after one changed, and keep it."""
+
+    def __init__(self, graph: TapeGraph, sentinels: dict) -> None:
+        self.sites: list[tuple[_Op, Any, Any, int]] = []  # (op, position or kwarg name, scalars, slot)
+        found = set()
+        for op in graph.ops:
+            places = [(k, v) for k, v in enumerate(op.args)] + list(op.kwargs.items())
+            for where, v in places:
+                if isinstance(v, float) and v != v and (b := kernel_args._bits(v)) in sentinels:
+                    self.sites.append((op, where, *sentinels[b]))
+                    found.add(b)
+        if len(found) != len(sentinels):
+            raise RuntimeError(f"{len(sentinels) - len(found)} host scalar(s) passed in the capture were found in no "
+                               "recorded op")
+        self.owners = list({id(o): o for o, _ in sentinels.values()}.values())
+        self.bound: Any = None
+        self.binds = 0
+
+    def bind(self) -> None:
+        version = tuple(o.version for o in self.owners)
+        if version == self.bound:
+            return
+        for op, where, owner, slot in self.sites:
+            if isinstance(where, int):
+                args = list(op.args)
+                args[where] = owner.values[slot]
+                op.args = tuple(args)
+            else:
+                op.kwargs[where] = owner.values[slot]
+        self.bound = version
+        self.binds += 1
 
 
 class TapeIO:
@@ -322,7 +362,11 @@ class _Recorder(TorchDispatchMode):
                 raise RuntimeError(f"{func}: {_CAPTURE_MSG}")
             # "bake": runs; a host value it returns stays in the Python that used it (not on the tape)
         gens = [(g, g.get_state()) for g in [*args, *kwargs.values()] if isinstance(g, torch.Generator)]
-        out = func(*args, **kwargs)
+        # A host scalar's sentinel is what the recorded op keeps (as a CUDA kernel node does); the capture's own run
+        # (a CUDA capture runs nothing) takes the scalar's value.
+        run_args = tuple(s[0].values[s[1]] if (s := kernel_args.live_slot(a)) else a for a in args)
+        run_kwargs = {k: s[0].values[s[1]] if (s := kernel_args.live_slot(v)) else v for k, v in kwargs.items()}
+        out = func(*run_args, **run_kwargs)
         outs = _tensors(out)
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         # empty*: allocation only, nothing to re-run (its memory is the output's recorded memory).
@@ -416,16 +460,19 @@ class TapeBackend(GraphBackend):
             pool.graphs.add(graph)
         graph.ops.clear()
         try:
-            with _Recorder(graph, self.sync_in_capture):
+            with kernel_args.capture_scope() as scalars, _Recorder(graph, self.sync_in_capture):
                 yield
         except BaseException:
             if isinstance(pool, _Pool):
                 pool.stuck = True
             raise
         graph._fresh = True
+        graph.host_scalars = scalars
         self.graphs.append(weakref.ref(graph))
 
     def finish(self, graph: TapeGraph, io: Any) -> Optional[TapeIO]:
+        if graph.host_scalars:
+            graph.args = TapeScalarArgs(graph, graph.host_scalars)
         if not self.io_in_graph or io is None:
             return None
         graph.io = TapeIO(list(io[0]), list(io[1]))

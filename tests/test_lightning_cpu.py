@@ -689,7 +689,8 @@ def test_everything_bind_changed_is_given_back_after_fit_and_after_a_refusal_rai
     optimizer's zero_grad, the load-state-dict hooks, the clipping wrapper, the optimizer's flags. Also when bind
     raises halfway (fp8_refresh=True on a model without FP8 parameters, after the optimizer was prepared), and twice."""
     seen = _SeeBound()
-    g = fit(steps=6, callbacks=[seen], gradient_clip_val=1.0)
+    capturable = {"optimizer_math": "capturable"}  # the preparation that changes the optimizer's lr and flags
+    g = fit(steps=6, callbacks=[seen], gradient_clip_val=1.0, cb_kw=capturable)
     assert g.stats.replays > 0
     assert seen.during == {"loop": ["output_result_cls", "run"], "zero_grad": True, "optimizer hooks": 1,
                            "module hooks": 1, "clip": True, "strategy": ["backward", "optimizer_step"],
@@ -703,7 +704,7 @@ def test_everything_bind_changed_is_given_back_after_fit_and_after_a_refusal_rai
     assert _changed_by_bind(g.trainer, g.module) == after
     halfway = _SeeBound()
     with pytest.raises(CaptureError, match=r"fp8_refresh=True\): no TransformerEngine Float8Tensor"):
-        fit(steps=2, cb_kw={"fp8_refresh": True}, callbacks=[halfway], gradient_clip_val=1.0)
+        fit(steps=2, cb_kw={"fp8_refresh": True, **capturable}, callbacks=[halfway], gradient_clip_val=1.0)
     assert not hasattr(halfway, "during"), "bind raised before the first step"
     assert _changed_by_bind(halfway.trainer, halfway.module) == after
 
@@ -1237,7 +1238,7 @@ def test_fast_adam_says_nothing_about_an_optimizer_that_is_not_adam(caplog):
 
 def test_fast_adam_on_a_fused_adamw_says_why_it_keeps_the_optimizers_step(caplog):
     with caplog.at_level("INFO"):
-        run = fit(cb_kw={"fast_adam": True})
+        run = fit(cb_kw={"fast_adam": True, "optimizer_math": "capturable"})  # the user's own fused step otherwise
     assert run.stats.replays > 0 and run.cb.step_runner.adapter.fast_adam.counted_groups == 0
     assert "param group 0 is not capturable multi-tensor Adam (fused)" in run.stats.fast_adam_unused
     assert "fast_adam unused: param group 0" in run.stats.summary()

@@ -571,7 +571,7 @@ class _GuardedGPT:
         return GuardedGPT
 
 
-def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=None, **trainer_kw):
+def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=None, ckpt_path=None, **trainer_kw):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -588,7 +588,8 @@ def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, max_epochs=2, val_check_interval=val_every, **trainer_kw)
     val = DataLoader(lt.Windows(2, seed=1), batch_size=2) if val_every else None
-    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps), batch_size=2), val_dataloaders=val)
+    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps), batch_size=2), val_dataloaders=val,
+                ckpt_path=ckpt_path)
     return lt.Run(trainer, rec, cb, module)
 
 
@@ -611,8 +612,8 @@ def test_lightning_partial_graphs_equal_eager(scope):
         g = _fit(lt, cls, True, {"scope": scope, "nan_guard": False}, callbacks=[Groups()])
     e = _fit(lt, cls, False)
     lt.assert_same(g, e)
-    # "modules": your optimizer as you wrote it, every step; "auto": as the whole-step warm-up prepared it
-    assert set(groups) == {(False, True)}  # prepared as for whole-step graphs: the optimizer side is a graph
+    # the optimizer side is a graph of the user's own fused AdamW step: their float lr, their flags, every step
+    assert set(groups) == {(True, False)}
     rep = g.stats.partial
     assert rep is not None and rep.graphed == ["model"] and list(rep.islands) == ["guard"]
     assert rep.replays > 0 and g.cb.eager_reason is None
@@ -622,15 +623,19 @@ def test_lightning_partial_graphs_equal_eager(scope):
 
 @pytest.mark.lightning_adapter
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph(algorithm, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adamw"])
+def test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph(algorithm, optimizer,
+                                                                                         monkeypatch):
     """Lightning's clipping (by norm, by value) and a per-step LR schedule with the optimizer side as one graph: the
     clipping runs in the graph (Python clips in the eager steps and the capture only), the learning rate the graph
-    reads follows the schedule, and training equals eager."""
+    reads follows the schedule (SGD: a device lr; the fused AdamW: its kernel argument, set before each replay), and
+    training equals eager."""
     lt = _lightning()
     cls = _GuardedGPT.make(lt)
 
-    def make():  # SGD: its update with your own scalar math is captured (a fused AdamW's is not: not bitwise)
-        return cls(sgd=True, sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 6)))
+    def make():
+        return cls(sgd=optimizer == "sgd",
+                   sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 6)))
 
     calls = []
     name = "clip_grad_norm_" if algorithm == "norm" else "clip_grad_value_"
@@ -680,6 +685,29 @@ def test_lightning_partial_graphs_recapture_the_optimizer_graph_when_a_baked_hyp
     e = _fit(lt, make, False, steps=12, callbacks=[Momentum()])
     lt.assert_same(g, e)
     assert g.stats.partial.optimizer_captures == 2
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_resume_from_a_checkpoint_as_eager_training_does(tmp_path):
+    """A checkpoint of an eager run, resumed with partial graphs and a schedule: the resumed optimizer state and
+    learning rate reach the module graphs and the optimizer graph, and training equals the eager resume."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+
+    def make():
+        return cls(sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9 ** s))
+
+    first = _fit(lt, make, False, steps=5)
+    path = tmp_path / "five.ckpt"
+    first.trainer.save_checkpoint(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, make, True, {"scope": "modules", "nan_guard": False}, steps=14, ckpt_path=str(path))
+    e = _fit(lt, make, False, steps=14, ckpt_path=str(path))
+    lt.assert_same(g, e)
+    assert g.rec.lrs == e.rec.lrs and len(g.rec.losses) == 9
+    rep = g.stats.partial
+    assert rep.replays > 0 and rep.optimizer_replays > 0
 
 
 @pytest.mark.lightning_adapter

@@ -218,22 +218,23 @@ def test_an_accumulation_schedule_and_verify_steps_against_the_users_step():
     assert _same(g, e)
 
 
-def test_resume_from_a_checkpoint_equals_the_users_resumed_eager_fit(tmp_path):
-    first = _fit(False, {"foreach": True}, steps=6)
+@pytest.mark.parametrize("opt_kw", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_resume_from_a_checkpoint_equals_the_users_resumed_eager_fit(tmp_path, opt_kw):
+    first = _fit(False, opt_kw, steps=6)
     path = tmp_path / "six.ckpt"
     first[3].save_checkpoint(path)
-    e = _fit(False, {"foreach": True}, steps=14, ckpt_path=str(path))
-    g = _fit(True, {"foreach": True}, steps=14, ckpt_path=str(path))
+    e = _fit(False, opt_kw, steps=14, ckpt_path=str(path))
+    g = _fit(True, opt_kw, steps=14, ckpt_path=str(path))
     assert g[2].stats.replays > 0
     assert _same(g, e)
 
 
 def test_not_covered_optimizers_keep_the_capturable_preparation_and_say_why():
-    p = nn.Parameter(torch.ones(4))
-    fused = torch.optim.AdamW([p], lr=LR, fused=True)
-    prep = OptimizerPrep(fused, torch.device("cpu"), math="eager")
+    p, q = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    mixed = torch.optim.AdamW([{"params": [p], "fused": True}, {"params": [q], "fused": False}], lr=LR)
+    prep = OptimizerPrep(mixed, torch.device("cpu"), math="eager")
     prep.apply()
-    assert prep.user is None and "fused" in prep.math_differs
+    assert prep.user is None and "fused while another is not" in prep.math_differs
     prep.restore()
     plain = torch.optim.AdamW([nn.Parameter(torch.ones(4))], lr=LR, foreach=True)
     prep = OptimizerPrep(plain, torch.device("cpu"), math="eager")

@@ -2,14 +2,19 @@
 
 torch's SGD takes ``lr`` as a Python float in its last operation, ``p.add_(g, alpha=-lr)``; the captured update reads
 ``lr`` from a float64 device tensor and computes ``p + float32(-lr) * g`` with one rounding, as torch's kernels do (an
-FMA on CUDA and in the CPU's vectorised ``add``). Here the graph is the tape and the kernels are torch's CPU kernels;
-the CUDA kernel's rounding is the GPU tier's part (``tests/gpu/test_user_optimizer_gpu.py``).
+FMA on CUDA and in the CPU's vectorised ``add``). BFloat16 parameters: torch's CPU ``add`` rounds ``alpha`` to BFloat16
+and computes its vectorised lanes and its remaining elements differently, which the CPU mirror reproduces. Here the
+graph is the tape and the kernels are torch's CPU kernels; the CUDA kernel's rounding is the GPU tier's part
+(``tests/gpu/test_user_optimizer_gpu.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -22,11 +27,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from nemo_cudagraph_plugin import CudaGraphCallback
-from nemo_cudagraph_plugin.core import user_adam, user_sgd
+from nemo_cudagraph_plugin.core import user_adam, user_fused_adam, user_sgd
 from nemo_cudagraph_plugin.core.optim import OptimizerPrep
-from nemo_cudagraph_plugin.core.user_sgd import UserMathSGD, fma_f32
+from nemo_cudagraph_plugin.core.user_sgd import UserMathSGD, add_bf16_cpu, bf16_cpu_why_not, fma_f32
 
 LR = 3e-4  # not a float32
+BF16_LR = 0.05  # BFloat16 parameters move at a larger lr; neither a float32 nor a BFloat16
+needs_bf16_mirror = pytest.mark.skipif(bf16_cpu_why_not() is not None, reason=str(bf16_cpu_why_not()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -56,6 +63,75 @@ def test_fma_f32_is_torchs_cpu_add_with_alpha_bit_for_bit():
         assert not torch.equal(p + grad * alpha, want)  # the data tells one rounding from two
 
 
+def _wild_bf16(n, gen):
+    """BFloat16 values of every kind: magnitudes from 2^-140 to 2^127, subnormals, infinities, NaN, zeros."""
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-140, 128, (n,), generator=gen).float())
+    r = torch.rand(n, generator=gen)
+    x = torch.where(r < 0.01, float("nan"), x)
+    x = torch.where((r >= 0.01) & (r < 0.02), torch.sign(torch.randn(n, generator=gen)) * float("inf"), x)
+    x = torch.where((r >= 0.02) & (r < 0.15), torch.randn(n, generator=gen) * 1e-39, x)  # subnormal
+    x = torch.where((r >= 0.15) & (r < 0.17), 0.0, x)
+    x = torch.where((r >= 0.17) & (r < 0.6), torch.randn(n, generator=gen) * 0.1, x)
+    return x.bfloat16()
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+# sizes: none and some vectorised lanes, partial lanes, and ranges that a thread split cuts (above 32768 elements)
+BF16_SIZES = [1, 5, 31, 32, 33, 63, 64, 65, 1000, 32768, 32769, 65600, 100_003]
+
+
+@needs_bf16_mirror
+def test_torchs_cpu_add_of_bf16_with_alpha_is_mirrored_bit_for_bit():
+    # torch's CPU ``add`` with a Python alpha on BFloat16 (the ufunc kernel): alpha rounded to BFloat16, vectorised
+    # lanes one float32 FMA then RNE (NaN 0xFFFF), the rest of each thread's range in BFloat16 arithmetic (NaN 0x7FC0)
+    gen = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    seen = {"float32 alpha, FMA everywhere": False, "BFloat16 alpha, FMA everywhere": False}
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            for n in BF16_SIZES:
+                p, g = _wild_bf16(n, gen), _wild_bf16(n, gen)
+                for lr in (3e-4, 0.05 * 0.97**7, 0.1, 1e-30, 3e30, 5.0):
+                    want = p.clone().add_(g, alpha=-lr)
+                    alpha = torch.tensor(lr, dtype=torch.float64).neg().float()
+                    got = add_bf16_cpu(p, g, alpha)
+                    assert torch.equal(_bits(got), _bits(want)), (
+                        f"{t} threads, {n} elements, lr {lr}: {(_bits(got) != _bits(want)).sum()} differ")
+                    ok = want.isfinite()
+                    for name, a in (("float32 alpha, FMA everywhere", alpha),
+                                    ("BFloat16 alpha, FMA everywhere", alpha.bfloat16().float())):
+                        other = fma_f32(g.float(), a, p.float()).bfloat16()
+                        seen[name] |= not torch.equal(other[ok], want[ok])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(seen.values()), seen  # the data tells torch's CPU kernel from either single-FMA model
+
+
+def test_torchs_cpu_add_of_bf16_on_the_default_capability_is_mirrored_bit_for_bit():
+    # ATEN_CPU_CAPABILITY=default: torch's generic Vectorized<BFloat16> computes every element in BFloat16 arithmetic
+    code = (
+        "import sys, torch\n"
+        "from nemo_cudagraph_plugin.core.user_sgd import add_bf16_cpu, bf16_cpu_why_not\n"
+        "if torch.backends.cpu.get_cpu_capability() != 'DEFAULT' or bf16_cpu_why_not(): sys.exit(3)\n"
+        "gen = torch.Generator().manual_seed(5)\n"
+        "for n in (5, 64, 1000, 70001):\n"
+        "    p = (torch.randn(n, generator=gen) * 0.1).bfloat16(); g = torch.randn(n, generator=gen).bfloat16()\n"
+        "    for lr in (3e-4, 0.05, 0.1):\n"
+        "        want = p.clone().add_(g, alpha=-lr).view(torch.int16)\n"
+        "        got = add_bf16_cpu(p, g, torch.tensor(-lr, dtype=torch.float64).float()).view(torch.int16)\n"
+        "        assert torch.equal(got, want), (n, lr, int((got != want).sum()))\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode == 3:
+        pytest.skip("this torch does not run its DEFAULT CPU kernels on x86 here")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_the_device_alpha_is_the_float32_a_python_minus_lr_becomes():
     lrs = torch.logspace(-7, 0, 200_000, dtype=torch.float64)
     want = torch.tensor([float(-lr) for lr in lrs.tolist()], dtype=torch.float64).to(torch.float32)
@@ -83,6 +159,46 @@ def test_the_update_is_the_users_eager_sgd_step_bit_for_bit(kw):
             assert torch.equal(ref.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
     user.remove()
     assert "step" not in opt.__dict__
+
+
+def _bf16_params():
+    # element counts with partial vector lanes at their end, and one above 32768 that a thread split cuts
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter((torch.randn(shape, generator=g) * 0.1).bfloat16())
+            for shape in [(5,), (37,), (16, 37), (2053,), (16, 2053), (2053, 5)]]
+
+
+@needs_bf16_mirror
+@pytest.mark.parametrize("kw", FORMS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_the_update_of_bf16_parameters_is_the_users_eager_sgd_step_bit_for_bit(kw):
+    # torch's own momentum, decay and Nesterov in BFloat16, then its CPU add with alpha (see add_bf16_cpu). The
+    # gradients are given (the same to both), of magnitudes 1e-3 to 10: no feedback can make the run diverge to
+    # infinities and NaN, whose bits would hide the roundings.
+    a, b = _bf16_params(), _bf16_params()
+    ref, opt = torch.optim.SGD(a, lr=BF16_LR, **kw), torch.optim.SGD(b, lr=BF16_LR, **kw)
+    assert user_sgd.why_not(opt, "cpu") is None
+    user = UserMathSGD(opt, torch.device("cpu"))
+    user.install()
+    gen = torch.Generator().manual_seed(1)
+    for i in range(12):
+        for p, q in zip(a, b):
+            scale = torch.exp2(torch.empty(p.shape).uniform_(-10, 3.3, generator=gen))
+            p.grad = (torch.randn(p.shape, generator=gen) * scale).bfloat16()
+            q.grad = p.grad.clone()
+        for o in (ref, opt):
+            for g in o.param_groups:
+                g["lr"] = BF16_LR * 0.97**i  # a schedule assigning floats
+        user.sync()
+        ref.step()
+        opt.step()
+        for j, (p, q) in enumerate(zip(a, b)):
+            assert p.isfinite().all(), "the reference diverged: the test's gradients need to be smaller"
+            assert torch.equal(_bits(p), _bits(q)), f"step {i}, parameter {j}: {(p != q).sum()} elements differ"
+    if kw["momentum"]:
+        for p, q in zip(a, b):
+            assert torch.equal(_bits(ref.state[p]["momentum_buffer"]), _bits(opt.state[q]["momentum_buffer"]))
+    assert not any(torch.equal(p, q) for p, q in zip(a, _bf16_params()))  # every parameter moved
+    user.remove()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -132,6 +248,8 @@ CASES = {
     "sgd-foreach-dampening-maximize-accumulate": (
         {"foreach": True, "momentum": 0.8, "dampening": 0.1, "maximize": True},
         {"accumulate_grad_batches": 2}),
+    "sgd-foreach-momentum-bf16-true": ({"foreach": True, "momentum": 0.9}, {"precision": "bf16-true"}),
+    "sgd-for-loop-nesterov-bf16-true": ({"momentum": 0.9, "nesterov": True}, {"precision": "bf16-true"}),
 }
 
 
@@ -156,8 +274,10 @@ def test_not_covered_sgd_keeps_the_capturable_preparation_and_says_why(monkeypat
         (torch.optim.SGD([p], lr=torch.tensor(0.1)), "cpu", False, "tensor lr"),
         (torch.optim.SGD([p], lr=0.1, fused=True), "cpu", False, "param group 0 is fused"),
         (torch.optim.SGD([p], lr=0.1), "cpu", True, "nan_action='skip'"),
-        (torch.optim.SGD([nn.Parameter(torch.ones(4, dtype=torch.bfloat16))], lr=0.1), "cpu", False,
-         "not a float32 cpu tensor"),
+        (torch.optim.SGD([nn.Parameter(torch.ones(4, dtype=torch.float16))], lr=0.1), "cpu", False,
+         "not a float32 or bfloat16 cpu tensor"),
+        (torch.optim.SGD([nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4, dtype=torch.bfloat16))], lr=0.1),
+         "cpu", False, "mix dtypes (torch.bfloat16, torch.float32)"),
     ]
     for opt, device_type, skip, why in cases:
         assert why in user_sgd.why_not(opt, device_type, skip)
@@ -169,6 +289,13 @@ def test_not_covered_sgd_keeps_the_capturable_preparation_and_says_why(monkeypat
     assert "not torch.optim.SGD with torch's own step" in user_sgd.why_not(MySGD([p], lr=0.1), "cpu")
     monkeypatch.setattr(user_sgd, "triton_available", lambda: False)
     assert "Triton" in user_sgd.why_not(torch.optim.SGD([p], lr=0.1), "cuda")
+    # BFloat16 on the CPU: where the layout of torch's CPU kernel is mirrored only
+    bf16 = torch.optim.SGD([nn.Parameter(torch.ones(4, dtype=torch.bfloat16))], lr=0.1, momentum=0.9)
+    monkeypatch.setattr(user_sgd, "cpu_capability", lambda: "AVX2")
+    assert user_sgd.why_not(bf16, "cpu") is None
+    monkeypatch.setattr(user_sgd, "cpu_capability", lambda: "SVE256")
+    assert "CPU capability SVE256" in user_sgd.why_not(bf16, "cpu")
+    assert user_sgd.why_not(torch.optim.SGD([p], lr=0.1), "cpu") is None  # float32: one FMA on every CPU
     plain = torch.optim.SGD([nn.Parameter(torch.ones(4))], lr=LR, momentum=0.9)
     prep = OptimizerPrep(plain, torch.device("cpu"), math="eager")
     prep.apply()
@@ -183,10 +310,13 @@ def test_not_covered_sgd_keeps_the_capturable_preparation_and_says_why(monkeypat
     prep.restore()
 
 
-def test_fused_adam_says_why_no_device_lr_gives_the_users_bits():
-    opt = torch.optim.AdamW([nn.Parameter(torch.ones(4))], lr=LR, fused=True)
-    why = user_adam.why_not(opt, "cpu")
-    assert "fused" in why and "float64 kernel argument" in why and "as float32" in why
+def test_a_fused_adam_keeps_the_users_math_and_says_why_where_it_cannot():
+    p = nn.Parameter(torch.ones(4))
+    assert user_fused_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=True), "cpu") is None
+    tensor_lr = torch.optim.AdamW([p], lr=torch.tensor(LR), fused=True)
+    assert "tensor lr" in user_fused_adam.why_not(tensor_lr, "cpu")
+    skip = user_fused_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=True), "cpu", skip_nonfinite=True)
+    assert "nan_action='skip'" in skip
 
 
 def test_adam_with_fused_false_and_foreach_unset_runs_the_for_loop_update_on_cuda(monkeypatch):
@@ -219,6 +349,48 @@ def test_the_sgd_tail_kernel_rounds_as_torchs_add_with_alpha(interpreted):  # no
     assert not torch.equal(want[-1], two[-1])  # the data tells an FMA from a multiply and an add
 
 
+def _fma_or_not_in_bf16(n, gen, alpha):
+    """``n`` (p, g) BFloat16 pairs whose update rounded to BFloat16 differs between one FMA and a float32 multiply and
+    add (rare: the float32 sums differ by an ulp across a BFloat16 midpoint), picked from random candidates."""
+    ps, gs = [], []
+    while sum(len(p) for p in ps) < n:
+        p = (torch.randn(1 << 20, generator=gen) * 1e-1).bfloat16()
+        g = torch.randn(1 << 20, generator=gen).bfloat16()
+        one = fma_f32(g.float(), alpha, p.float()).bfloat16()
+        two = (p.float() + g.float() * alpha).bfloat16()
+        differ = one != two
+        ps.append(p[differ])
+        gs.append(g[differ])
+    return torch.cat(ps)[:n], torch.cat(gs)[:n]
+
+
+def test_the_sgd_tail_kernel_on_bf16_rounds_as_torchs_cuda_add_with_alpha(interpreted):  # noqa: F811
+    # CUDA's add with a Python alpha on BFloat16: the float32 alpha, one FMA in float32, the result rounded to
+    # BFloat16 (to nearest even); Triton's interpreter truncates its cast, so the kernel's own rounding decides
+    from nemo_cudagraph_plugin.core import adam_tail
+    from nemo_cudagraph_plugin.core.adam_tail import EagerSgdTail
+
+    adam_tail._sgd_kernel.cache_clear()
+    gen = torch.Generator().manual_seed(4)
+    alpha = torch.tensor(-0.05 * 0.97**5, dtype=torch.float64).to(torch.float32)
+    sizes = [1, 31, 32, 33, 100, 2000]
+    ps = [(torch.randn(n, generator=gen) * 1e-1).bfloat16() for n in sizes]
+    gs = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    ps[-1][:64], gs[-1][:64] = _fma_or_not_in_bf16(64, gen, alpha)  # where one FMA and two roundings part
+    before = [p.clone() for p in ps]
+    EagerSgdTail(block=16, iters=2, num_warps=1)(ps, gs, alpha)
+    adam_tail._sgd_kernel.cache_clear()
+    for j, (p, p0, g) in enumerate(zip(ps, before, gs)):
+        want = fma_f32(g.float(), alpha, p0.float()).bfloat16()  # torch's float32 -> BFloat16 cast: RNE
+        assert torch.equal(_bits(p), _bits(want)), f"tensor {j}: {(p != want).sum()} elements differ"
+    p0, g, want = before[-1].float(), gs[-1].float(), ps[-1]
+    exact = fma_f32(g, alpha, p0)
+    truncated = (exact.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    assert not torch.equal(want, truncated)  # the data tells RNE from truncation,
+    assert not torch.equal(want, (p0 + g * alpha).bfloat16())  # one FMA from a multiply and an add,
+    assert not torch.equal(want, fma_f32(g, alpha.bfloat16().float(), p0).bfloat16())  # and alpha from CPU's alpha
+
+
 # ----------------------------------------------------------------------------------------------------------
 # where the graphed math is not the user's: by how much
 # ----------------------------------------------------------------------------------------------------------
@@ -242,7 +414,9 @@ def test_where_the_math_differs_the_first_verified_step_measures_by_how_much():
 
 
 def test_the_users_settings_are_back_only_inside_the_block():
-    a = torch.optim.AdamW([nn.Parameter(torch.ones(4))], lr=LR, fused=True)
+    # fused and non-fused groups: the capturable preparation, which changes the groups
+    a = torch.optim.AdamW([{"params": [nn.Parameter(torch.ones(4))]},
+                           {"params": [nn.Parameter(torch.ones(4))], "fused": False}], lr=LR, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(a, lambda step: 0.97 ** step)  # made before the fit, as in Lightning
     prep = OptimizerPrep(a, torch.device("cpu"), math="eager")
     prep.apply()

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["FillPlan", "GraphDamaged", "GraphIO", "RewriteError", "RewriteResult", "fill_plan", "graph_shape",
-           "node_types", "rewrite_memsets", "unavailable"]
+__all__ = ["FillPlan", "GraphDamaged", "GraphIO", "RewriteError", "RewriteResult", "ScalarArgs", "fill_plan",
+           "graph_shape", "node_types", "rewrite_memsets", "scalar_args_unavailable", "unavailable"]
 
 # CUgraphNodeType
 _KERNEL, _MEMSET = 0, 2
@@ -179,7 +179,8 @@ _MIN_DRIVER = 12030
 # CUDA 13's bindings give the plain name that signature (:func:`_edge_variant`).
 _ENTRY_POINTS = ("cuDriverGetVersion", "cuGetErrorString", "cuCtxGetCurrent", "cuModuleLoadData", "cuModuleGetFunction",
                  "cuGraphGetNodes", "cuGraphGetRootNodes", "cuGraphNodeGetType", "cuGraphMemsetNodeGetParams",
-                 "cuGraphAddKernelNode", "cuGraphAddMemsetNode", "cuGraphDestroyNode", "cuGraphExecKernelNodeSetParams")
+                 "cuGraphAddKernelNode", "cuGraphAddMemsetNode", "cuGraphDestroyNode", "cuGraphExecKernelNodeSetParams",
+                 "cuGraphKernelNodeGetParams")
 _EDGE_ENTRY_POINTS = ("cuGraphNodeGetDependencies", "cuGraphNodeGetDependentNodes", "cuGraphAddDependencies")
 
 
@@ -235,6 +236,9 @@ class _Driver:
         self._add_edges = _edge_variant(cu, "cuGraphAddDependencies")
         #: ``(exec, node, params) -> (CUresult,)``: the per-replay call of :meth:`GraphIO.bind`
         self.exec_kernel_set: Callable[..., tuple] = cu.cuGraphExecKernelNodeSetParams
+        #: the size of each argument of a captured kernel (CUDA 12.4+): :class:`ScalarArgs` reads node arguments
+        self.param_info: Optional[Callable[..., tuple]] = getattr(cu, "cuFuncGetParamInfo", None)
+        self.kernel_param_info: Optional[Callable[..., tuple]] = getattr(cu, "cuKernelGetParamInfo", None)
         self.functions: dict[tuple[int, str], Any] = {}  # (context, kernel) -> CUfunction
         self.modules: list[Any] = []  # loaded once per context, never unloaded
 
@@ -327,6 +331,28 @@ class _Driver:
         kp.kernelParams = ctypes.addressof(arr)  # void**: the driver reads each argument through it
         kp.extra = 0
         return _Launch(kp, (arr, args))
+
+    def kernel_args(self, node: Any) -> tuple[Any, list[bytes]]:
+        """A kernel node's parameters (the driver's struct) and a copy of each of its arguments' bytes."""
+        err, p = self.cu.cuGraphKernelNodeGetParams(node)
+        self.check(err, "cuGraphKernelNodeGetParams")
+        if int(getattr(p, "extra", 0) or 0):  # one argument buffer (a library's launch): not torch's, not read
+            return p, []
+        func, kern = p.func, getattr(p, "kern", None)
+        info, handle = (self.param_info, func) if int(func or 0) else (self.kernel_param_info, kern)
+        if info is None or handle is None or not int(handle):
+            raise RuntimeError("the driver cannot size a captured kernel's arguments (cuFuncGetParamInfo: CUDA 12.4+)")
+        sizes: list[int] = []
+        while True:
+            err, _, size = info(handle, len(sizes))
+            if err:  # past the last argument: CUDA_ERROR_INVALID_VALUE
+                break
+            sizes.append(int(size))
+        addr = int(p.kernelParams or 0)
+        if sizes and not addr:
+            raise RuntimeError("a captured kernel node has no argument array")
+        ptrs = (ctypes.c_void_p * len(sizes)).from_address(addr) if sizes else []
+        return p, [ctypes.string_at(ptrs[k], n) for k, n in enumerate(sizes)]
 
     def add_kernel(self, graph: Any, launch: _Launch) -> Any:
         err, node = self.cu.cuGraphAddKernelNode(graph, None, 0, launch.params)
@@ -559,6 +585,86 @@ class GraphIO:
                 (rc,) = set_params(ex, node, ref)
                 if rc:
                     self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
+
+
+class ScalarArgs:
+    """The kernel nodes of a captured graph that received a sentinel float64 argument (:mod:`.kernel_args`), set to the
+    host's current values before each launch after one changed.
+
+    ``sentinels``: a sentinel's bits -> ``(HostScalars, slot)``. Each node's arguments are read (sized by
+    ``cuFuncGetParamInfo``) and copied into memory owned here; an 8-byte argument with a sentinel's bits is the slot's.
+    Every sentinel must be found, else :class:`RewriteError` (the graph holds sentinels: it must not be launched).
+    The graph itself is not changed; call :meth:`instantiated` with its executable graph, then :meth:`bind` before
+    every launch (a driver call per node when a value changed, none otherwise; a launch already queued keeps its
+    arguments). ``driver``: a stand-in of the driver layer, for tests.
+    """
+
+    def __init__(self, graph: int, sentinels: dict[int, tuple[Any, int]], driver: Any = None) -> None:
+        drv = driver if driver is not None else _need("kernel arguments set before each replay")
+        self._drv = drv
+        nodes: list[tuple[Any, Any, list[tuple[Any, Any, int]], tuple]] = []
+        found: set[int] = set()
+        try:
+            for node in drv.nodes(drv.graph(graph)):
+                if drv.node_type(node) != _KERNEL:
+                    continue
+                params, args = drv.kernel_args(node)
+                hits = [(k, b) for k, a in enumerate(args) if len(a) == 8 and (b := int.from_bytes(a, "little")) in sentinels]
+                if not hits:
+                    continue
+                bufs = [ctypes.create_string_buffer(a, len(a)) for a in args]
+                arr = (ctypes.c_void_p * len(bufs))(*(ctypes.addressof(b) for b in bufs))
+                params.kernelParams = ctypes.addressof(arr)
+                slots = [(ctypes.c_double.from_buffer(bufs[k]), *sentinels[b]) for k, b in hits]
+                found.update(b for _, b in hits)
+                nodes.append((node, params, slots, (bufs, arr)))
+        except RuntimeError as exc:
+            raise RewriteError(str(exc)) from exc
+        if len(found) != len(sentinels):
+            raise RewriteError(f"{len(sentinels) - len(found)} of {len(sentinels)} host scalar(s) passed to kernels "
+                               "in the capture were found in no kernel node's arguments")
+        self._nodes = nodes
+        self._owners = list({id(o): o for o, _ in sentinels.values()}.values())
+        self._bound: Any = None
+        self._exec: Any = None
+        self._set = drv.exec_kernel_set
+
+    @property
+    def nodes(self) -> int:
+        """Kernel nodes whose arguments are set before launches."""
+        return len(self._nodes)
+
+    def instantiated(self, graph_exec: int) -> None:
+        """The executable graph made from this graph (its nodes are set there)."""
+        self._exec = self._drv.graph_exec(graph_exec)
+        self._bound = None
+
+    def bind(self) -> None:
+        """Before a launch: the nodes get the current values where one changed since the last bind (hot path)."""
+        owners = self._owners
+        version = owners[0].version if len(owners) == 1 else tuple(o.version for o in owners)
+        if version == self._bound:
+            return
+        set_params, ex = self._set, self._exec
+        for node, params, slots, _ in self._nodes:
+            for arg, owner, slot in slots:
+                arg.value = owner.values[slot]
+            (rc,) = set_params(ex, node, params)
+            if rc:
+                self._drv.check(rc, "cuGraphExecKernelNodeSetParams")
+        self._bound = version
+
+
+def scalar_args_unavailable() -> Optional[str]:
+    """Why captured kernels' float arguments cannot be set before replays here (``None``: they can)."""
+    drv = _get()
+    if drv is None:
+        return _driver_error
+    if drv.param_info is None and drv.kernel_param_info is None:
+        return "the CUDA bindings lack cuFuncGetParamInfo (CUDA 12.4+)"
+    if drv.version < 12040:
+        return f"CUDA driver {drv.version} is older than 12.4 (cuFuncGetParamInfo)"
+    return None
 
 
 def node_types(graph: int, driver: Any = None) -> dict[str, int]:

@@ -183,14 +183,16 @@ def adam_init_group(optimizer: Any, group: dict) -> AdamGroupLists:
 
 
 def adam_functional(optimizer: Any, group: dict, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
-                    max_exp_avg_sqs: list, state_steps: list, has_complex: bool) -> None:
-    """torch's update of one param group, called exactly as ``Adam.step`` calls it."""
+                    max_exp_avg_sqs: list, state_steps: list, has_complex: bool, lr: Any = None) -> None:
+    """torch's update of one param group, called exactly as ``Adam.step`` calls it (``lr``: in place of the
+    group's)."""
     from torch.optim.adam import adam
 
     beta1, beta2 = group["betas"]
     adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+        amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
+        lr=group["lr"] if lr is None else lr,
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"],
         capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
         grad_scale=getattr(optimizer, "grad_scale", None), found_inf=getattr(optimizer, "found_inf", None),

@@ -143,8 +143,12 @@ def _sgd_kernel() -> Any:
     # (opmath) and compute ``p + alpha * g`` (``BinaryOpListAlphaFunctor``; the ufunc ``add``), which nvcc contracts
     # into one FMA: one rounding, mirrored by ``fma``. Here ``alpha`` is read from device memory (one float32 per
     # launch: a param group's).
+    # BFloat16 tensors (ROUND): the same float32 alpha and FMA on the elements converted to float32 (opmath), the
+    # result stored as BFloat16 (c10's round to nearest even, done on the float32's bits as in the Adam tail, since
+    # Triton's interpreter truncates; the final cast is then exact).
     @triton.jit(do_not_specialize=["n_tensors"])
-    def eager_sgd_tail_kernel(table, n_tensors, alpha_ptr, ref, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    def eager_sgd_tail_kernel(table, n_tensors, alpha_ptr, ref, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+                              ITERS: tl.constexpr):
         c = tl.program_id(0)
         t = tl.load(table + 5 * n_tensors + c)
         p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
@@ -156,7 +160,14 @@ def _sgd_kernel() -> Any:
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
             x = tl.load(p + offs, mask=mask, other=0.0)
-            tl.store(p + offs, tl.math.fma(tl.load(g + offs, mask=mask, other=0.0), alpha, x), mask=mask)
+            if ROUND:
+                new = tl.math.fma(tl.load(g + offs, mask=mask, other=0.0).to(tl.float32), alpha, x.to(tl.float32))
+                u = new.to(tl.uint32, bitcast=True)
+                u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # RNE of the SGD update
+                new = tl.where(new != new, new, u.to(tl.float32, bitcast=True)).to(tl.bfloat16)  # exact now
+                tl.store(p + offs, new, mask=mask)
+            else:
+                tl.store(p + offs, tl.math.fma(tl.load(g + offs, mask=mask, other=0.0), alpha, x), mask=mask)
 
     return eager_sgd_tail_kernel
 
@@ -296,18 +307,21 @@ class EagerAdamTail(FusedAdamTail):
 
 class EagerSgdTail(FusedAdamTail):
     """The last operation of torch's SGD update, ``p += alpha * g`` with ``alpha = float32(-lr)`` read from the device,
-    rounded as torch's CUDA ``add`` with ``alpha`` rounds it (one FMA, see :func:`_sgd_kernel`)."""
+    rounded as torch's CUDA ``add`` with ``alpha`` rounds it (one FMA, then BFloat16's rounding for BFloat16 tensors;
+    see :func:`_sgd_kernel`)."""
 
     def __call__(self, params: Sequence[Tensor], grads: Sequence[Tensor], alpha: Tensor) -> None:  # type: ignore[override]
         table, programs = self._table(params, grads, grads)
-        _sgd_kernel()[(programs,)](table, len(params), alpha, params[0].detach(), BLOCK=self.block, ITERS=self.iters,
-                                   num_warps=self.num_warps)
+        _sgd_kernel()[(programs,)](table, len(params), alpha, params[0].detach(), ROUND=params[0].dtype == torch.bfloat16,
+                                   BLOCK=self.block, ITERS=self.iters, num_warps=self.num_warps)
 
-    def warm(self, device: torch.device) -> None:
-        if device in self._warm:
+    def warm(self, device: torch.device, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> None:
+        """Compile the variants for parameters of ``dtypes`` before any capture on ``device``."""
+        if (device, tuple(dtypes)) in self._warm:
             return
-        p, g = (torch.ones(64, dtype=torch.float32, device=device) for _ in range(2))
-        self([p], [g], torch.ones((), dtype=torch.float32, device=device))
+        for dtype in dtypes:
+            p, g = (torch.ones(64, dtype=dtype, device=device) for _ in range(2))
+            self([p], [g], torch.ones((), dtype=torch.float32, device=device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self._warm.add(device)
+        self._warm.add((device, tuple(dtypes)))

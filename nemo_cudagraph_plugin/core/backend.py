@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _cuda_nodes
+from . import _cuda_nodes, kernel_args
 from .config import CaptureConfig
 from .warn import warn_once
 
@@ -45,11 +45,14 @@ class GraphBackend:
         raise NotImplementedError
 
     def capture(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager:
-        """Context in which the step runs once and is recorded into ``graph``."""
+        """Context in which the step runs once and is recorded into ``graph``; a :func:`.kernel_args.capture_scope`
+        is open inside it, and ``graph.host_scalars`` is set to its sentinels when it closes without error."""
         raise NotImplementedError
 
     def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
-        """Make a graph whose capture the engine keeps ready to replay.
+        """Make a graph whose capture the engine keeps ready to replay; its ``replay()`` then first gives the kernels
+        that received a host scalar's sentinel (``graph.host_scalars``) the scalar's current value. Raises where it
+        cannot (the graph must not be replayed).
 
         ``io``: the graph's input buffers and outputs (the engine always passes them; ``None`` where a caller has
         none). Where this backend lets the graph copy them itself (its ``io_in_graph`` choice, made once at
@@ -134,6 +137,7 @@ class CudaBackend(GraphBackend):
 
     def __init__(self, memsets_as_kernels: bool = True, io_in_graph: bool = True) -> None:
         surgery = "torch < 2.8 has no CUDAGraph(keep_graph=True)" if not _keep_graph_supported() else _cuda_nodes.unavailable()
+        self._surgery = surgery
         #: why captured graphs keep their memset nodes; None: they run them as fill kernels
         self.memsets_kept: Optional[str] = "memsets_as_kernels=False" if not memsets_as_kernels else surgery
         #: why the batch and outputs are copied around the replay; None: by the graph (where the tensors allow)
@@ -144,9 +148,10 @@ class CudaBackend(GraphBackend):
                       f"outputs are copied around each replay): {surgery}")
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
-        # keep_graph: captured but not instantiated, so its nodes can still change (instantiated in finish()).
-        if self.memsets_kept is None or self.io_kept is None:
-            return torch.cuda.CUDAGraph(keep_graph=True)
+        # keep_graph: captured but not instantiated, so its nodes can still be read and changed (instantiated in
+        # finish()) wherever the driver layer is there, for the rewrites and for host scalars (kernel_args).
+        if self._surgery is None:
+            return _Graph(keep_graph=True)
         return torch.cuda.CUDAGraph()
 
     def pool(self) -> Any:
@@ -157,8 +162,10 @@ class CudaBackend(GraphBackend):
         prev = torch.cuda.current_stream()
         try:
             # thread_local: other threads (a dataloader's pin-memory thread) may keep using CUDA.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                yield
+            with kernel_args.capture_scope() as scalars:
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    yield
+            graph.host_scalars = scalars
         finally:
             # A capture that fails leaves torch.cuda.graph's stream current (capture_end raises before it is
             # restored): the eager code after it must run where it would have.
@@ -166,7 +173,11 @@ class CudaBackend(GraphBackend):
                 torch.cuda.set_stream(prev)
 
     def finish(self, graph: Any, io: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Any:
-        if self.memsets_kept is not None and self.io_kept is not None:
+        scalars = getattr(graph, "host_scalars", None)
+        if self._surgery is not None:
+            if scalars:
+                raise RuntimeError(f"host scalars were passed to kernels in a capture, which cannot be set before "
+                                   f"replays here: {self._surgery}")
             return None  # instantiated by torch at the end of the capture
         raw = graph.raw_cuda_graph()
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -183,9 +194,19 @@ class CudaBackend(GraphBackend):
                 nodes = _cuda_nodes.GraphIO(raw, _spans(io[0]), _spans(io[1]), sms)
             except _cuda_nodes.RewriteError as exc:
                 warn_once("io-in-graph", f"the batch and outputs are copied around the replay: {exc}")
+        args = None
+        if scalars:
+            try:
+                args = _cuda_nodes.ScalarArgs(raw, scalars)
+            except _cuda_nodes.RewriteError as exc:  # the graph holds sentinels: it must not run
+                raise RuntimeError(f"the captured kernels' host scalars (a fused optimizer's learning rate) cannot be "
+                                   f"set before replays: {exc}") from exc
         graph.instantiate()
         if nodes is not None:
             nodes.instantiated(graph.raw_cuda_graph_exec())
+        if args is not None:
+            args.instantiated(graph.raw_cuda_graph_exec())
+            graph.args = args
         return nodes
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -211,6 +232,19 @@ class CudaBackend(GraphBackend):
 
     def set_rng_state(self, state: Any, device: torch.device) -> None:
         torch.cuda.set_rng_state(state, device)
+
+
+class _Graph(torch.cuda.CUDAGraph):
+    """A CUDA graph whose replay first sets the kernels' host scalars (:class:`._cuda_nodes.ScalarArgs`) where it has
+    any: one attribute read otherwise."""
+
+    args: Optional[_cuda_nodes.ScalarArgs] = None
+
+    def replay(self) -> None:
+        args = self.args
+        if args is not None:
+            args.bind()
+        super().replay()
 
 
 def default_backend(backend: Optional[GraphBackend], config: CaptureConfig) -> GraphBackend:

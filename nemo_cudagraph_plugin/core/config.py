@@ -96,12 +96,14 @@ class CaptureConfig:
             captures the user's own update.
         optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor, ``amsgrad``, ``maximize``, weight
             decay, float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) or ``torch.optim.SGD`` (multi-tensor or
-            for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``, float ``lr``; float32 parameters; Triton
-            on CUDA) keeps its own settings and its own non-capturable update is captured, with the scalars its Python
+            for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``, float ``lr``; float32 or BFloat16
+            parameters; Triton on CUDA) keeps its own settings and its own non-capturable update is captured, with the scalars its Python
             computes on the host (Adam's bias corrections, step size and decay factor; the ``lr`` of both) read from
             the device as the same float64 numbers and rounded where torch's kernels round them
-            (:mod:`nemo_cudagraph_plugin.core.user_adam`, :mod:`nemo_cudagraph_plugin.core.user_sgd`). Other optimizers
-            and settings (fused Adam/AdamW/SGD, tensor ``lr``, ``nan_action="skip"``, the for-loop Adam on CUDA) get
+            (:mod:`nemo_cudagraph_plugin.core.user_adam`, :mod:`nemo_cudagraph_plugin.core.user_sgd`); a fused
+            Adam/AdamW keeps torch's own fused update, its float ``lr`` set in the graph's kernel arguments before each
+            replay (:mod:`nemo_cudagraph_plugin.core.user_fused_adam`). Other optimizers and settings (fused SGD,
+            fused and non-fused groups mixed, tensor ``lr``, ``nan_action="skip"``, the for-loop Adam on CUDA) get
             the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step,
             ``stats.optimizer_math_gap`` by how much. ``"capturable"``: always the capturable preparation
             (``capturable=True``, ``lr`` a float32 device tensor, bias corrections computed on the device in float32):

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import user_adam, user_sgd
+from . import user_adam, user_fused_adam, user_sgd
 from ._torch_compat import (
     check_torch_version,
     clear_found_inf,
@@ -247,11 +247,14 @@ class OptimizerPrep:
     def _apply_user_math(self) -> bool:
         """``math="eager"``: capture the user's own update where :mod:`.user_adam` covers it (else say why)."""
         opt = self.optimizer
-        if self.user is not None:  # a re-apply (load_state_dict, a group added): counters and tables read again
-            self.user.remove()
+        previous = self.user
+        if previous is not None:  # a re-apply (load_state_dict, a group added): counters and tables read again
+            previous.remove()
             self.user = None
         sgd = isinstance(opt, torch.optim.SGD)
-        why = (user_sgd if sgd else user_adam).why_not(opt, self.device_type, self.skip_nonfinite)
+        fused = not sgd and user_fused_adam.all_fused(opt)
+        why = (user_sgd if sgd else user_fused_adam if fused else user_adam).why_not(opt, self.device_type,
+                                                                                     self.skip_nonfinite)
         if why is not None:
             self.math_differs = f"the plugin's capturable update of {type(opt).__name__} is captured ({why})"
             return False
@@ -259,6 +262,7 @@ class OptimizerPrep:
             if i == len(self._saved):
                 self._saved.append({k: group[k] for k in ("lr", "betas", "capturable", "fused", "foreach") if k in group})
         self.user = (user_sgd.UserMathSGD(opt, self.device) if sgd
+                     else user_fused_adam.UserMathFusedAdam(opt, self.device, previous) if fused
                      else user_adam.UserMathAdam(opt, self.device, self.step_count))
         self.user.install()
         self._live = []
@@ -321,8 +325,10 @@ class OptimizerPrep:
         if self.user is not None:
             self.user.remove()
             self.user = None
-            # The user's non-capturable, non-fused update keeps its step counters on the CPU.
-            for state in self.optimizer.state.values():
+            # The user's non-capturable, non-fused update keeps its step counters on the CPU (a fused one on the
+            # device).
+            on_host = not user_fused_adam.all_fused(self.optimizer)
+            for state in self.optimizer.state.values() if on_host else ():
                 step = state.get("step") if isinstance(state, dict) else None
                 if isinstance(step, Tensor) and step.device.type != "cpu":
                     state["step"] = step.cpu()

@@ -41,8 +41,7 @@ Scope (else the plugin's capturable preparation is used and the summary says the
 ``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``lr`` and ``betas``, non-fused
 groups (the multi-tensor update, and the for-loop update on the CPU; ``amsgrad``, ``maximize``, weight decay), float32
 or BFloat16 parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused
-kernel's ``found_inf``). Fused groups cannot be: torch's fused kernel takes a float ``lr`` as a kernel argument (a
-graph freezes it) and reads a tensor ``lr`` as float32 (:data:`FUSED_LR`).
+kernel's ``found_inf``). Optimizers whose groups are all fused: :mod:`.user_fused_adam`.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from ._torch_compat import (
 from .adam_step import not_torchs_adam, plain_float32_params
 from .adam_tail import TAIL_DTYPES, EagerAdamTail, tail_applies
 from .finite import triton_available
-from .user_step import UserStep
+from .user_step import SKIP_NONFINITE, UserStep
 
 __all__ = ["ScalarTable", "UserMathAdam", "device_scalars", "host_bias_corrections", "update", "why_not"]
 
@@ -123,26 +122,19 @@ def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
     return (1 - lr * weight_decay).to(torch.float32)
 
 
-#: why a fused group cannot keep the user's math (``aten/src/ATen/native/cuda/fused_adam_impl.cu``; the CPU kernel reads
-#: a tensor lr with ``item()``, a host sync)
-FUSED_LR = ("torch's fused kernel takes a float lr as a float64 kernel argument, which a graph freezes, and reads a "
-            "tensor lr as float32 (lr.const_data_ptr<float>(): a float64 tensor is refused), so no device lr gives "
-            "your float lr's bits")
-
-
 def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
     """Why the user's own update cannot be captured for ``optimizer`` (``None``: it can)."""
     name = type(optimizer).__name__
     if (why := not_torchs_adam(optimizer)) is not None:
         return why
     if skip_nonfinite:
-        return "nan_action='skip' runs the fused kernel (it reads found_inf on the device)"
+        return SKIP_NONFINITE
     if device_type == "cuda" and not triton_available():
         return "Triton is not available (the update's last operation needs its kernel)"
     devices = set()
     for i, g in enumerate(optimizer.param_groups):
-        if g.get("fused"):
-            return f"param group {i} is fused: {FUSED_LR}"
+        if g.get("fused"):  # every group fused: user_fused_adam
+            return f"param group {i} is fused while another is not"
         off = [k for k in ("capturable", "differentiable") if g.get(k)]
         if off:
             return f"param group {i} is {', '.join(off)}"

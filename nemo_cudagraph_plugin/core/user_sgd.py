@@ -13,6 +13,12 @@ float32 opmath type), and the update ``p + alpha * g`` is rounded as torch's ker
 (:class:`~.adam_tail.EagerSgdTail`, a Triton kernel) and on the CPU (the tape backend of the tests; torch's CPU ``add``
 is a vectorised ``fmadd`` there too), where :func:`fma_f32` computes it exactly from float64 operations.
 
+BFloat16 parameters: on CUDA both kernels compute in float32 (opmath) with the same float32 ``alpha``, one FMA, and
+store the result as BFloat16 (round to nearest even); the Triton kernel does the same. torch's CPU ``add`` differs
+(measured against torch 2.13 bit for bit, :func:`add_bf16_cpu`): it converts ``alpha`` to BFloat16, computes the
+vectorised lanes as a float32 FMA rounded to BFloat16, and the last ``numel % (2 * lanes)`` elements of each thread's
+range (all of them on the DEFAULT capability) in BFloat16 arithmetic: the product rounded to BFloat16, then the sum.
+
 Everything else is torch's own call with torch's own float arguments, in torch's order: ``maximize``'s negation, the
 coupled weight decay ``_foreach_add(grads, params, alpha=weight_decay)``, the momentum buffers (created by a clone on
 their first step, then ``_foreach_mul_(bufs, momentum)`` and ``_foreach_add_(bufs, grads, alpha=1 - dampening)``) and
@@ -21,12 +27,15 @@ one changes.
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
 ``torch.optim.SGD`` with torch's own ``step``, torch 2.11 - 2.13, a float ``lr``, not fused, not differentiable,
-float32 parameters on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's
-``found_inf``).
+float32 or BFloat16 parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the
+fused kernel's ``found_inf``); BFloat16 on the CPU: an x86 CPU capability (DEFAULT, AVX2, AVX512) and OpenMP or
+torch's native thread pool, whose kernel layout :func:`add_bf16_cpu` mirrors.
 """
 
 from __future__ import annotations
 
+import functools
+import platform
 from typing import Optional
 
 import torch
@@ -40,11 +49,45 @@ from ._torch_compat import (
     sgd_step_is_torchs,
 )
 from .adam_step import plain_float32_params
-from .adam_tail import EagerSgdTail, tail_applies
+from .adam_tail import TAIL_DTYPES, EagerSgdTail, tail_applies
 from .finite import triton_available
-from .user_step import UserStep
+from .user_step import SKIP_NONFINITE, UserStep
 
-__all__ = ["UserMathSGD", "add_scaled", "fma_f32", "update", "why_not"]
+__all__ = ["UserMathSGD", "add_bf16_cpu", "add_scaled", "fma_f32", "update", "why_not"]
+
+#: BFloat16 elements per ``Vectorized<BFloat16>`` of the x86 CPU capabilities (AVX2 measured, AVX512 from
+#: ``vec512_bfloat16.h``: the same FMA and rounding, twice the lanes); DEFAULT's generic ``Vectorized`` computes
+#: element by element in BFloat16, as the scalar loop does (0: no vectorised lanes)
+BF16_LANES = {"DEFAULT": 0, "AVX2": 16, "AVX512": 32}
+#: ``at::internal::GRAIN_SIZE``: TensorIterator splits a range among threads only above it
+GRAIN_SIZE = 32768
+#: the BFloat16 NaN that c10's scalar conversion and the vectorised ``cvtfp32_bf16`` store
+NAN_SCALAR, NAN_VECTOR = 0x7FC0, 0xFFFF
+
+
+def cpu_capability() -> str:
+    """The kernels torch's CPU dispatch picked (``ATEN_CPU_CAPABILITY`` may lower it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.lru_cache(maxsize=1)
+def parallel_backend() -> str:
+    """ATen's intra-op backend (``"OpenMP"``, ``"native thread pool"``), as ``torch.__config__`` names it."""
+    for line in torch.__config__.parallel_info().splitlines():
+        if line.startswith("ATen parallel backend:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def bf16_cpu_why_not() -> Optional[str]:
+    """Why :func:`add_bf16_cpu` cannot mirror torch's CPU ``add`` of BFloat16 tensors here (``None``: it can)."""
+    machine, cap, backend = platform.machine(), cpu_capability(), parallel_backend()
+    what = "torch's CPU add of bfloat16 tensors is mirrored"
+    if machine not in ("x86_64", "AMD64") or cap not in BF16_LANES:
+        return f"{what} on x86 (DEFAULT, AVX2, AVX512), not on {machine} with CPU capability {cap}"
+    if backend not in ("OpenMP", "native thread pool"):
+        return f"{what} with OpenMP or the native thread pool, not {backend!r}"
+    return None
 
 
 def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
@@ -56,7 +99,7 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
     if not lo <= TORCH_VERSION <= hi:
         return f"torch {TORCH_VERSION} is outside {lo.base_version} - {hi.major}.{hi.minor}, whose SGD step it mirrors"
     if skip_nonfinite:
-        return "nan_action='skip' runs the fused kernel (it reads found_inf on the device)"
+        return SKIP_NONFINITE
     if device_type == "cuda" and not triton_available():
         return "Triton is not available (the update's last operation needs its kernel)"
     devices: set = set()
@@ -66,10 +109,14 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
             return f"param group {i} is {', '.join(off)}"
         if isinstance(g["lr"], Tensor):
             return f"param group {i} has a tensor lr"
-        if (why := plain_float32_params(i, g, device_type, devices)) is not None:
+        if (why := plain_float32_params(i, g, device_type, devices, TAIL_DTYPES)) is not None:
             return why
+    if len({d for d, _ in devices}) > 1:
+        return f"{name}'s parameters live on {len({d for d, _ in devices})} devices"
     if len(devices) > 1:
-        return f"{name}'s parameters live on {len(devices)} devices"
+        return f"{name}'s parameters mix dtypes ({', '.join(sorted(str(t) for _, t in devices))})"
+    if device_type == "cpu" and any(t == torch.bfloat16 for _, t in devices):
+        return bf16_cpu_why_not()
     return None
 
 
@@ -87,21 +134,74 @@ def fma_f32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return torch.where(inexact_even, torch.nextafter(s, toward), s).to(torch.float32)
 
 
+def _bf16_bits(x: Tensor, nan: int) -> Tensor:
+    """The BFloat16 bits (int64, 0 - 0xFFFF) of float32 ``x`` rounded to nearest even as c10 and the vectorised
+    conversion round it (on the float32's bits: add 0x7FFF plus the lowest kept bit, keep the high half), NaN as
+    ``nan``."""
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(x.isnan(), nan, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+def _as_bf16(bits: Tensor) -> Tensor:
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+def _vectorised_spans(n: int, lanes: int) -> list[tuple[int, int]]:
+    """The elements of a contiguous ``n``-element ``add`` that torch's CPU kernel computes in vectorised lanes:
+    TensorIterator hands each thread a range (``at::parallel_for``'s split above :data:`GRAIN_SIZE`) and
+    ``vectorized_loop`` takes ``2 * lanes`` elements at a time from its start, the rest element by element."""
+    if not lanes:
+        return []
+    threads = torch.get_num_threads()
+    if n <= GRAIN_SIZE or threads == 1:
+        size = n
+    elif parallel_backend() == "OpenMP":  # ParallelOpenMP.h: min(threads, ceil(n / grain)) equal ranges
+        size = -(-n // min(threads, -(-n // GRAIN_SIZE)))
+    else:  # ParallelNative.cpp: ceil(n / threads), at least the grain
+        size = max(GRAIN_SIZE, -(-n // threads))
+    step = 2 * lanes
+    spans = [(b, b + (min(n, b + size) - b) // step * step) for b in range(0, n, size)]
+    return [(b, e) for b, e in spans if e > b]
+
+
+def add_bf16_cpu(p: Tensor, g: Tensor, alpha: Tensor) -> Tensor:
+    """torch's CPU ``p.add(g, alpha=a)`` of BFloat16 tensors, bit for bit (NaN patterns too), for a Python ``a`` whose
+    float32 is ``alpha`` (0-d): the ufunc kernel converts ``a`` to BFloat16 (``Scalar.to<BFloat16>()``: double ->
+    float -> BFloat16); its vectorised lanes compute ``fmadd(g, a, p)`` in float32 and round once to BFloat16
+    (``cvtfp32_bf16``), the remaining elements ``p + a * g`` in BFloat16 arithmetic (each operation rounded)."""
+    if not (p.is_contiguous() and g.is_contiguous()) or p.shape != g.shape:
+        raise RuntimeError("the eager-math SGD update of BFloat16 parameters on the CPU needs contiguous tensors")
+    a = _as_bf16(_bf16_bits(alpha.to(torch.float32), NAN_SCALAR)).float()
+    pf, gf = p.reshape(-1).float(), g.reshape(-1).float()
+    out = _bf16_bits(pf + _as_bf16(_bf16_bits(gf * a, NAN_SCALAR)).float(), NAN_SCALAR)
+    lanes = BF16_LANES.get(cpu_capability(), 0)
+    spans = _vectorised_spans(p.numel(), lanes)
+    if spans:
+        vec = _bf16_bits(fma_f32(gf, a, pf), NAN_VECTOR)
+        for b, e in spans:
+            out[b:e] = vec[b:e]
+    return _as_bf16(out).view(p.shape)
+
+
 def add_scaled(params: list[Tensor], grads: list[Tensor], alpha: Tensor, tail: Optional[EagerSgdTail] = None) -> None:
-    """``p += alpha * g`` for each pair as torch's ``add`` with a Python ``alpha`` computes it (one FMA), ``alpha`` a
-    float32 0-d device tensor."""
+    """``p += alpha * g`` for each pair as torch's ``add`` with a Python ``alpha`` computes it (one FMA; BFloat16 on
+    the CPU: :func:`add_bf16_cpu`), ``alpha`` a float32 0-d device tensor."""
     if any(p.numel() == 0 for p in params):  # nothing to update (and no kernel takes them)
         kept = [(p, g) for p, g in zip(params, grads) if p.numel()]
         params, grads = [p for p, _ in kept], [g for _, g in kept]
         if not params:
             return
-    if tail is not None and tail_applies(params, grads):
+    if tail is not None and tail_applies(params, grads, dtypes=TAIL_DTYPES):
         tail(params, grads, alpha)
-    elif params[0].device.type == "cpu":
+    elif params[0].device.type != "cpu":
+        # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
+        raise RuntimeError("the eager-math SGD update needs its Triton kernel for these tensors")
+    elif params[0].dtype == torch.bfloat16:
+        for p, g in zip(params, grads):
+            p.copy_(add_bf16_cpu(p, g, alpha))
+    else:
         for p, g in zip(params, grads):
             p.copy_(fma_f32(g, alpha, p))
-    else:  # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
-        raise RuntimeError("the eager-math SGD update needs its Triton kernel for these tensors")
 
 
 def update(params: list[Tensor], grads: list[Tensor], bufs: list[Optional[Tensor]], *, foreach: bool,
@@ -173,7 +273,8 @@ class UserMathSGD(UserStep):
     def install(self) -> None:
         """Make the device lr tensors and take over the instance's ``step``."""
         if self.tail is not None:
-            self.tail.warm(self.device)
+            dtypes = {p.dtype for g in self.optimizer.param_groups for p in g["params"]}
+            self.tail.warm(self.device, sorted(dtypes, key=str))
         self.groups = [_Lr(float(g["lr"]), self.device) for g in self.optimizer.param_groups]
         self._take_step()
 

@@ -17,7 +17,10 @@ from torch import Tensor
 
 from ._torch_compat import mark_step_called
 
-__all__ = ["UserStep"]
+__all__ = ["SKIP_NONFINITE", "UserStep"]
+
+#: why ``nan_action="skip"`` keeps the plugin's preparation, for every captured user update
+SKIP_NONFINITE = "nan_action='skip' runs the fused kernel (it reads found_inf on the device)"
 
 _ABSENT = object()
 

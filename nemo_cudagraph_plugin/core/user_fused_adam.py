@@ -1,0 +1,99 @@
+"""torch's own fused Adam/AdamW update (``fused=True``) inside a graph: the bits of the user's eager step.
+
+torch's fused update (``torch/optim/adam.py``: ``_fused_adam``) keeps its step counters on the device, increments them
+there and computes the bias corrections in its kernel; the only value the host hands it that changes during training
+is the learning rate, a float64 kernel argument. (Given a tensor ``lr`` the kernel reads float32: not the user's
+double.) So the update here is torch's own call, ``adam()`` with the group's settings, with one change: inside a
+capture the learning rate is a sentinel (:mod:`.kernel_args`) that the graph's kernel nodes receive, and the backend
+sets those nodes' argument to the group's current float ``lr`` before each replay after it changed. Eager steps pass the
+float itself. Betas, eps and weight decay are constants of the graph (the engine re-captures when one changes).
+
+Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
+``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, every param group fused with a float ``lr``
+and float ``betas``, not differentiable, no ``nan_action="skip"`` (that needs ``found_inf``), and on CUDA a driver
+layer that can read and set captured kernels' arguments (``cuda-bindings``, CUDA 12.4+).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _cuda_nodes
+from ._torch_compat import adam_functional, adam_init_group
+from .adam_step import not_torchs_adam
+from .kernel_args import HostScalars
+from .user_step import SKIP_NONFINITE, UserStep
+
+__all__ = ["UserMathFusedAdam", "all_fused", "why_not"]
+
+
+def all_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Every param group of ``optimizer`` runs torch's fused update."""
+    return bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
+    """Why the user's own fused update cannot be captured for ``optimizer`` (``None``: it can)."""
+    if (why := not_torchs_adam(optimizer)) is not None:
+        return why
+    if skip_nonfinite:
+        return SKIP_NONFINITE
+    if device_type == "cuda" and (why := _cuda_nodes.scalar_args_unavailable()) is not None:
+        return f"its learning rate cannot be set in the graph before each replay ({why})"
+    for i, g in enumerate(optimizer.param_groups):
+        if not g.get("fused"):
+            return f"param group {i} is not fused while another is"
+        if g.get("differentiable"):
+            return f"param group {i} is differentiable"
+        if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
+            return f"param group {i} has a tensor lr or betas"
+        for p in g["params"]:
+            if p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
+                return f"param group {i} holds a parameter that is not a plain {device_type} tensor ({p.device})"
+    return None
+
+
+class UserMathFusedAdam(UserStep):
+    """Captures the user's own fused Adam/AdamW update (see the module docstring): installed on the optimizer instance
+    for as long as graphs may be captured; :meth:`sync` before every step (a float compare per group).
+
+    ``previous``: the update this one replaces on the same optimizer (prepared again after a loaded state); its host
+    scalars are kept, so graphs captured before keep receiving the current learning rates."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device,
+                 previous: Optional[UserStep] = None) -> None:
+        super().__init__(optimizer, device)
+        n = len(optimizer.param_groups)
+        if isinstance(previous, UserMathFusedAdam) and len(previous.lrs.values) == n:
+            # prepared again (a loaded state): the graphs captured before keep their sentinels, this object's values
+            self.lrs = previous.lrs
+        else:
+            self.lrs = HostScalars(float(g["lr"]) for g in optimizer.param_groups)
+
+    def install(self) -> None:
+        """Step counters on the device (where torch's fused update keeps them; a checkpoint of a non-fused run holds
+        CPU ones) and the instance's ``step`` taken over."""
+        for p, state in self.optimizer.state.items():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, Tensor) and step.device != p.device:
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+        self.sync()
+        self._take_step()
+
+    def sync(self) -> None:
+        """Before every step: the groups' float ``lr`` as the graphs' kernels will receive it."""
+        lrs = self.lrs
+        for i, g in enumerate(self.optimizer.param_groups):
+            lrs.set(i, g["lr"])
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        return []  # the update reads no device tensor besides the optimizer state
+
+    def _update(self, opt: torch.optim.Optimizer) -> None:
+        for i, group in enumerate(opt.param_groups):
+            lists = adam_init_group(opt, group)
+            if lists.params:
+                adam_functional(opt, group, *lists, lr=self.lrs.argument(i))
