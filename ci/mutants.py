@@ -1461,6 +1461,17 @@ MUTANTS: list[Mutant] = [
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
            "the inputs are copied into the static tensors the capture's autograd graph saved: the backward's capture "
            "finds them modified in place and no module stays a graph"),
+    Mutant("partial-auto-under-ddp", "cpu", "nemo_cudagraph_plugin/lightning/adapter.py",
+           '        elif config.scope == "auto" and not self._ddp:',
+           '        elif config.scope == "auto":',
+           (PT + "test_under_ddp_auto_keeps_whole_steps_and_refuses_as_scope_step_does",),
+           "under DDP a step that does not capture whole trains with partial graphs, which are not proven there"),
+    Mutant("zero-in-place-kernel-per-gradient", "cpu", "nemo_cudagraph_plugin/lightning/adapter.py",
+           "            elif not zero_grads_in_place(optimizer):  # one multi-tensor zero, not a kernel per gradient\n",
+           "            elif True:\n",
+           (PT + "test_lightning_partial_graphs_zero_the_gradients_with_one_kernel",),
+           "gradients zeroed in place get a kernel each (torch's zero_grad without foreach): a few dozen launches per "
+           "step outside the partial tier's graphs"),
     Mutant("failed-capture-pool-reused", "cpu", "nemo_cudagraph_plugin/core/backend.py",
            "        except BaseException:\n            self._handle = None\n            raise\n",
            "        except BaseException:\n            raise\n",

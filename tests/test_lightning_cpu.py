@@ -868,6 +868,10 @@ def test_callback_with_ddp_strategy_is_refused_naming_the_strategy_to_use():
         cb.setup(t, m, "fit")
     # the strategy itself takes DDP
     assert checks.setup_refusal(CaptureConfig(), t, m, "CudaGraphStrategy") is None
+    # partial graphs are not proven under DDP: refused with the option as the user wrote it; "auto" keeps whole steps
+    why = checks.setup_refusal(CaptureConfig(scope="modules"), t, m, "CudaGraphStrategy")
+    assert why is not None and why.label == "partial graphs with DDP" and "CudaGraphStrategy(scope='modules')" in why.message
+    assert checks.setup_refusal(CaptureConfig(scope="auto"), t, m, "CudaGraphStrategy") is None
 
 
 @pytest.mark.parametrize("read", ["watched", "gradient-read"])

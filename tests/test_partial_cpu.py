@@ -894,3 +894,81 @@ def test_mixtral_on_transformers_4_graphs_everything_but_its_routing():
     assert all("modeling_mixtral.py:" in rep.islands[k].replace("\\", "/") for k in islands)
     assert all(f"model.model.layers.{i}.self_attn" in rep.graphed for i in range(n))
     assert rep.optimizer.startswith("graphed")
+
+
+@pytest.mark.lightning_adapter
+def test_under_ddp_auto_keeps_whole_steps_and_refuses_as_scope_step_does(tmp_path):
+    """Partial graphs are not proven under DDP: with CudaGraphStrategy('ddp') a step that does not capture whole is
+    refused at its line, as with scope='step', not trained with partial graphs."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader
+
+    from nemo_cudagraph_plugin import CudaGraphStrategy
+
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    pl.seed_everything(0, verbose=False)
+    strategy = CudaGraphStrategy(DDPStrategy(process_group_backend="gloo"), scope="auto")  # >= 11 warm-up steps
+    strategy.step_runner.backend = TapeBackend()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=16, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, default_root_dir=tmp_path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(CaptureError, match="HOST-READ|host"):
+                trainer.fit(cls(), train_dataloaders=DataLoader(lt.Windows(16), batch_size=2))
+    finally:  # the fit's process group would stay for the tests after this one
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert strategy.step_runner.adapter is None or strategy.step_runner.adapter.partial is None
+
+
+def test_zeroing_in_place_is_torchs_zero_grad_with_one_kernel_per_dtype(monkeypatch):
+    from nemo_cudagraph_plugin.core._torch_compat import zero_grads_in_place
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    a, b = model(), model()
+    for m in (a, b):
+        m(torch.randn(3, 4)).sum().backward()
+        m[0].bias.grad = m[0].bias.grad * torch.ones((), requires_grad=True)  # a gradient with a grad_fn
+        m[2].bias.grad = None  # a parameter without one
+    ref, opt = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
+    calls = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda grads: (calls.append(len(grads)), real(grads)))
+    ref.zero_grad(set_to_none=False)  # torch's own: a kernel per gradient for this optimizer (foreach unset)
+    assert calls == []
+    assert zero_grads_in_place(opt)
+    assert calls == [3]  # one multi-tensor zero for the three float32 gradients
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad) and q.grad.grad_fn is None and not q.grad.requires_grad
+
+    class Own(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            pass
+
+    assert not zero_grads_in_place(Own(b.parameters(), lr=0.1))  # a class's own zero_grad is left to it
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_zero_the_gradients_with_one_kernel(monkeypatch):
+    """The partial tier zeroes the gradients in place every step (the optimizer graph reads them where it left them):
+    one multi-tensor zero per step, not a kernel per parameter outside the graphs."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    calls = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda grads: (calls.append(len(grads)), real(grads)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # SGD with foreach unset: torch's own zero_grad(set_to_none=False) would launch a kernel per gradient
+        g = _fit(lt, lambda: cls(sgd=True), True, {"scope": "modules", "nan_guard": False}, steps=10)
+    n = sum(1 for p in g.module.parameters() if p.requires_grad)
+    assert g.stats.partial.replays > 0 and calls.count(n) >= 8

@@ -44,6 +44,7 @@ __all__ = [
     "sgd_step_is_torchs",
     "autocast_cache_disabled",
     "autocast_state",
+    "zero_grads_in_place",
 ]
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -237,3 +238,29 @@ def autocast_cache_disabled() -> Iterator[None]:
 def autocast_state(device_type: str) -> tuple[bool, Any]:
     """Whether autocast is on for ``device_type`` and its dtype: a graph bakes in both."""
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def zero_grads_in_place(optimizer: Any) -> bool:
+    """torch's ``Optimizer.zero_grad(set_to_none=False)``: each existing gradient detached from any graph and zeroed,
+    with one multi-tensor zero per device and dtype (torch takes that path only for optimizers whose defaults say
+    foreach or fused, else one kernel per gradient; the values are the same zeros). ``False`` where the optimizer's
+    class has a ``zero_grad`` of its own (nothing is done: call it)."""
+    if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+        return False
+    dense: dict[tuple[Any, Any], list] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+            if g.is_sparse:
+                g.zero_()
+            else:
+                dense.setdefault((g.device, g.dtype), []).append(g)
+    for grads in dense.values():
+        torch._foreach_zero_(grads)
+    return True

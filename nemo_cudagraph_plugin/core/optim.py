@@ -40,10 +40,12 @@ from ._torch_compat import (
     plain_torch_function,
     quiet_uncaptured_capturable,
     set_found_inf,
+    zero_grads_in_place,
 )
 from .user_step import UserStep
 
-__all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state"]
+__all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state",
+           "zero_grads_in_place"]
 
 # Optimizers that cannot run inside a graph at all, with what to use instead.
 _REFUSED: dict[str, str] = {

@@ -29,7 +29,7 @@ from ..core.engine import CaptureEngine, GraphEntry
 from ..core.errors import CaptureError, locate_frames
 from ..core.module_state import ModuleStateWatch
 from ..core.nan_guard import NanGuard, NanPolicy
-from ..core.optim import OptimizerPrep, ParamGroupWatch
+from ..core.optim import OptimizerPrep, ParamGroupWatch, zero_grads_in_place
 from ..core.partial import PartialGraphs
 from ..core.rng import GeneratorRegistry
 from . import _compat
@@ -173,7 +173,7 @@ class LightningStepAdapter:
         self.partial: Optional[PartialGraphs] = None
         if config.scope == "modules":
             self.start_partial(None)
-        elif config.scope == "auto":
+        elif config.scope == "auto" and not self._ddp:  # under DDP "auto" is "step" (checks: not proven there)
             self.engine.fallback = self.start_partial
 
     def start_partial(self, err: Optional[CaptureError]) -> None:
@@ -231,7 +231,10 @@ class LightningStepAdapter:
         orig_zero = optimizer.zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
-            orig_zero(set_to_none=set_to_none and self._fresh)
+            if set_to_none and self._fresh:
+                orig_zero(set_to_none=True)
+            elif not zero_grads_in_place(optimizer):  # one multi-tensor zero, not a kernel per gradient
+                orig_zero(set_to_none=False)
 
         undo = self._undo
         optimizer.zero_grad = zero_grad  # this optimizer instance only

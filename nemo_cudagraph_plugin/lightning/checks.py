@@ -73,6 +73,14 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
             "which only a strategy can arrange. Use Trainer(strategy=CudaGraphStrategy('ddp'), ...) (or "
             "CudaGraphStrategy(DDPStrategy(...)) with your DDP settings) instead of the callback",
         )
+    if config.scope == "modules" and "DDPStrategy" in names:
+        # DDP's reducer fires its gradient hooks and all-reduce from autograd; the partial tier's backward graphs sit
+        # behind an autograd.Function whose structure changes at capture, which DDP's static graph does not expect.
+        return Refusal(
+            "partial graphs with DDP",
+            f"{owner}(scope='modules') is not supported with {type(strategy).__name__}: partial graphs are not proven "
+            "under DDP yet. Use scope='step' (the whole step, all-reduce included) or a single device",
+        )
     if not pl_module.automatic_optimization:
         return Refusal(
             "manual optimization",
