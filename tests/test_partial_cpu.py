@@ -876,9 +876,9 @@ def test_packed_sequences_train_with_partial_graphs_around_hfs_packing_question(
 @pytest.mark.lightning_adapter
 def test_mixtral_on_transformers_4_graphs_everything_but_its_routing():
     """transformers 4.57's Mixtral routes tokens with a host read per expert (no experts interface to switch): each
-    sparse-MoE block is an island at that line, attention, norms, embedding and head are graphs. Training equals eager
-    but for the fused AdamW's graphed update, which takes its learning rate as a float32 tensor (``stats.optimizer_math``
-    says so): the last bits of a few parameters."""
+    sparse-MoE block is an island at that line, attention, norms, embedding and head are graphs. The losses equal
+    eager's and the fused AdamW's own update is graphed; the parameters differ in their last bits because an expert
+    that gets no token in a step keeps a zero gradient in this tier (eager: none), which AdamW still steps."""
     hf = pytest.importorskip("test_hf_cpu")
     if hf.TF5:
         pytest.skip("transformers 4.x's Mixtral")
@@ -886,7 +886,7 @@ def test_mixtral_on_transformers_4_graphs_everything_but_its_routing():
     module, graphed, cb = hf.fit(hf.mixtral(), graphed=True, cb_kw={"scope": "modules"})
     assert graphed == eager
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-8) for a, b in zip(module.parameters(), eager_module.parameters()))
-    assert "fused" in cb.stats.optimizer_math
+    assert cb.stats.optimizer_math == ""
     rep = cb.stats.partial
     n = len(module.model.model.layers)
     islands = [f"model.model.layers.{i}.block_sparse_moe" for i in range(n)]
