@@ -1472,6 +1472,11 @@ MUTANTS: list[Mutant] = [
            (PT + "test_lightning_partial_graphs_zero_the_gradients_with_one_kernel",),
            "gradients zeroed in place get a kernel each (torch's zero_grad without foreach): a few dozen launches per "
            "step outside the partial tier's graphs"),
+    Mutant("island-host-time-counts-submodules", "cpu", "nemo_cudagraph_plugin/core/partial.py",
+           "            node.host_s += dt - inner.pop()\n",
+           "            inner.pop()\n            node.host_s += dt\n",
+           (PT + "test_islands_report_the_host_time_of_their_own_code",),
+           "an island's host time includes its submodules' calls: the summary blames the island for its children"),
     Mutant("failed-capture-pool-reused", "cpu", "nemo_cudagraph_plugin/core/backend.py",
            "        except BaseException:\n            self._handle = None\n            raise\n",
            "        except BaseException:\n            raise\n",

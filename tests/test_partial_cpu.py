@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import warnings
 
 import pytest
@@ -532,7 +533,8 @@ def test_coverage_in_stats():
     assert rep.modules_called == 12 and rep.modules_graphed == 10  # all but the root and the guard
     assert rep.ops_step > rep.ops_outside > 0 and 0 < rep.op_coverage < 1
     text = g[3].stats.summary()
-    assert "partial graphs: 4 graphed modules (inp, b0, b1, out)" in text and "islands: guard: " in text
+    assert "partial graphs: 4 graphed modules (inp, b0, b1, out)" in text and "islands: guard (" in text
+    assert set(rep.island_host_ms) == {"guard"} and rep.island_host_ms["guard"] > 0
 
 
 def test_scope_errors_name_the_class_and_argument():
@@ -972,3 +974,39 @@ def test_lightning_partial_graphs_zero_the_gradients_with_one_kernel(monkeypatch
         g = _fit(lt, lambda: cls(sgd=True), True, {"scope": "modules", "nan_guard": False}, steps=10)
     n = sum(1 for p in g.module.parameters() if p.requires_grad)
     assert g.stats.partial.replays > 0 and calls.count(n) >= 8
+
+
+class _Sleeper(nn.Module):
+    """Reads the host and takes 30 ms of host time of its own."""
+
+    def forward(self, x):
+        if x.abs().max() > 1e6:  # SLEEPER-READ
+            x = x * 0.5
+        time.sleep(0.03)
+        return x
+
+
+class _SlowGlue(nn.Module):
+    """Its own code reads the host and takes 5 ms; a child island takes 30 ms; two children capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.sleeper, self.b = Block(), _Sleeper(), Block()
+
+    def forward(self, x):
+        x = self.a(x)
+        if bool((x > 50).any()):  # SLOW-GLUE-READ
+            x = x * 0.5
+        time.sleep(0.005)
+        return self.b(self.sleeper(x))
+
+
+def test_islands_report_the_host_time_of_their_own_code():
+    g, e = both(lambda: nn.Sequential(nn.Linear(4, 8), _SlowGlue(), nn.Linear(8, 1)), batches(6))
+    assert_bitwise(g, e)
+    rep = g[3].report
+    assert set(rep.islands) == {"1", "1.sleeper"}, rep.islands
+    host = rep.island_host_ms
+    assert 30 <= host["1.sleeper"] < 60, host
+    assert 5 <= host["1"] < 20, host  # its own code: the child island's 30 ms are not counted here
+    assert "1.sleeper (3" in g[3].stats.summary() and "ms/step on the host" in g[3].stats.summary()

@@ -278,6 +278,8 @@ class PartialStats:
     #: operators the dispatcher saw in one eager step, and in one step with every graph replayed (outside graphs)
     ops_step: int = 0
     ops_outside: Optional[int] = None
+    #: per island, the host time of its own code (its submodules' calls left out) in that step, milliseconds
+    island_host_ms: dict[str, float] = field(default_factory=dict)
     #: forward+backward graph pairs captured, and replayed (per module call)
     captures: int = 0
     replays: int = 0
@@ -300,7 +302,13 @@ class PartialStats:
 
     def summary(self) -> str:
         cov = self.op_coverage
-        islands = "; ".join(f"{n or '<root>'}: {why}" for n, why in self.islands.items()) or "none"
+        host = self.island_host_ms
+
+        def island(n: str, why: str) -> str:
+            took = f" ({host[n]:.2f} ms/step on the host)" if n in host else ""
+            return f"{n or '<root>'}{took}: {why}"
+
+        islands = "; ".join(island(n, why) for n, why in self.islands.items()) or "none"
         return (
             f"partial graphs: {len(self.graphed)} graphed modules ({', '.join(n or '<root>' for n in self.graphed)}),"
             f" {self.modules_graphed}/{self.modules_called} modules inside graphs"

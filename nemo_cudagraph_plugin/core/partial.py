@@ -35,6 +35,7 @@ against one step whose graphs all replayed).
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Hashable, Iterator
 from typing import Any, Optional
@@ -67,7 +68,7 @@ _SPLIT = "split"  # its capture failed: it runs eagerly, its children are candid
 
 class _Node:
     __slots__ = ("name", "module", "forward", "parent", "children", "calls", "per_step", "status", "reason",
-                 "location", "cache", "seen")
+                 "location", "cache", "seen", "host_s")
 
     def __init__(self, name: str, module: nn.Module, parent: Optional[_Node], max_graphs: int) -> None:
         self.name, self.module, self.parent = name, module, parent
@@ -80,6 +81,7 @@ class _Node:
         self.location: Optional[str] = None
         self.cache: GraphCache[GraphedCall] = GraphCache(max_graphs)
         self.seen: set[Hashable] = set()
+        self.host_s = 0.0  # its own code's host time in the step whose islands are timed
 
 
 class _OpCounter(TorchDispatchMode):
@@ -132,6 +134,8 @@ class PartialGraphs:
         self._events = 0  # captures, failures and eager calls of graphed modules this step
         self._counter: Optional[_OpCounter] = None
         self._measure: Optional[str] = None
+        self._timing = False  # this step's calls are timed (the islands' host time)
+        self._inner_s: list[float] = []  # per timed call being run: the time of the calls inside it so far
         #: the optimizer side of the step as one graph (:meth:`graph_optimizer`); ``None``: it runs eagerly
         self.optimizer: Optional[OptimizerGraph] = None
         self._build(root)
@@ -204,6 +208,11 @@ class PartialGraphs:
         self._events = 0
         measure = "step" if self._warmup_left == 1 else ("outside" if self._measure == "outside" else None)
         counter = _OpCounter(self.tally) if measure is not None else None
+        # The step whose graphs all replay is also the one whose islands are timed (the other steps time nothing).
+        self._timing = measure == "outside"
+        if self._timing:
+            for node in self.nodes:
+                node.host_s = 0.0
         be = self.backend
         if self._stream is None:
             self._stream = be.side_stream(self.device)
@@ -237,7 +246,10 @@ class PartialGraphs:
             self.report.modules_called = sum(1 for n in self.nodes if n.per_step)
         elif counter is not None and self._events == 0:
             self.report.ops_outside = counter.count
+            by_name = {n.name: n for n in self.nodes}
+            self.report.island_host_ms = {k: by_name[k].host_s * 1e3 for k in self.report.islands if k in by_name}
             self._measure = None
+        self._timing = False
         if not warm and self._events:
             self._measure = "outside"  # measured on the next step whose graphs all replay
             self._summarize()
@@ -296,6 +308,24 @@ class PartialGraphs:
     def _call(self, node: _Node, args: tuple, kwargs: dict) -> Any:
         if not self._in_step or self._capturing:
             return node.forward(*args, **kwargs)
+        if self._timing:
+            return self._timed(node, args, kwargs)
+        return self._dispatch(node, args, kwargs)
+
+    def _timed(self, node: _Node, args: tuple, kwargs: dict) -> Any:
+        """A call in the timed step: the host time of the module's own code, its submodules' calls left out."""
+        inner = self._inner_s
+        inner.append(0.0)
+        t0 = time.perf_counter()
+        try:
+            return self._dispatch(node, args, kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            node.host_s += dt - inner.pop()
+            if inner:
+                inner[-1] += dt
+
+    def _dispatch(self, node: _Node, args: tuple, kwargs: dict) -> Any:
         node.calls += 1
         status = node.status
         if status is _EAGER or status is _INSIDE or status is _SPLIT:
