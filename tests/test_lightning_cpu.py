@@ -279,9 +279,11 @@ def test_torch_compiled_submodule_is_graphed_and_equals_eager(backend):
 
 
 
-def test_lr_scheduler_changes_the_lr_every_replayed_step_reads():
+# the module's fused AdamW: its own update with its float lr set in the graph ("eager"), or the lr as a device tensor
+@pytest.mark.parametrize("math_", ["eager", "capturable"])
+def test_lr_scheduler_changes_the_lr_every_replayed_step_reads(math_):
     kw = dict(module_kw={"sched": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)})
-    g, e = graphed_and_eager(steps=12, **kw)
+    g, e = graphed_and_eager(steps=12, cb_kw={"optimizer_math": math_}, **kw)
     assert g.stats.replays == 8
     assert len(set(g.rec.lrs[4:])) >= 4, f"the learning rate did not change during replays: {g.rec.lrs}"
     assert g.rec.lrs == e.rec.lrs
@@ -752,10 +754,11 @@ class SetLR(pl.Callback):
                 pg["lr"] = self.at[batch_idx]
 
 
-def test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph():
+@pytest.mark.parametrize("math_", ["eager", "capturable"])
+def test_float_lr_assigned_around_the_capture_step_is_used_by_the_graph(math_):
     # batch 2: the last warm-up step, 3: the capture step, 6: a replay
     at = {2: LR * 2, 3: LR * 4, 6: LR / 2}
-    g = fit(steps=10, callbacks=[SetLR(at)])
+    g = fit(steps=10, callbacks=[SetLR(at)], cb_kw={"optimizer_math": math_})
     e = fit(graphed=False, steps=10, callbacks=[SetLR(at)])
     assert g.stats.captures == 1 and g.stats.replays == 6, g.stats.summary()
     assert g.rec.lrs == e.rec.lrs and len(set(g.rec.lrs)) == 4
