@@ -651,14 +651,16 @@ def test_module_attribute_set_inside_the_step_does_not_recapture():
     assert g.stats.recaptures == 0 and g.stats.replays == 8, g.stats.summary()
 
 
-def test_optimizer_is_given_back_as_the_user_built_it_after_fit():
-    """After fit: float learning rates, the user's capturable flag and the optimizer's own zero_grad (with its
-    set_to_none default, which the runner's wrapper overrides while steps accumulate)."""
-    g = fit(steps=8, accumulate_grad_batches=2)
+@pytest.mark.parametrize("math_", ["eager", "capturable"])
+def test_optimizer_is_given_back_as_the_user_built_it_after_fit(math_):
+    """After fit: float learning rates, the user's capturable flag, the optimizer's own step (the user's update was
+    captured) and its own zero_grad (with its set_to_none default, which the runner's wrapper overrides while steps
+    accumulate)."""
+    g = fit(steps=8, accumulate_grad_batches=2, cb_kw={"optimizer_math": math_})
     assert g.stats.replays > 0
     opt = g.trainer.optimizers[0]
     assert all(isinstance(pg["lr"], float) and pg["lr"] == LR and pg["capturable"] is False for pg in opt.param_groups)
-    assert "zero_grad" not in opt.__dict__
+    assert "zero_grad" not in opt.__dict__ and "step" not in opt.__dict__
     opt.zero_grad()
     assert all(p.grad is None for p in g.module.parameters())
 
