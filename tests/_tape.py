@@ -290,7 +290,7 @@ class TapeScalarArgs:
         for op in graph.ops:
             places = [(k, v) for k, v in enumerate(op.args)] + list(op.kwargs.items())
             for where, v in places:
-                if isinstance(v, float) and v != v and (b := kernel_args._bits(v)) in sentinels:
+                if isinstance(v, float) and v != v and (b := kernel_args.float_bits(v)) in sentinels:
                     self.sites.append((op, where, *sentinels[b]))
                     found.add(b)
         if len(found) != len(sentinels):

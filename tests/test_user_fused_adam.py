@@ -30,11 +30,11 @@ from nemo_cudagraph_plugin.core.user_fused_adam import UserMathFusedAdam
 # ----------------------------------------------------------------------------------------------------------
 def test_sentinels_are_distinct_nans_and_only_a_capture_sees_them():
     a, b = HostScalars([1e-3, 2e-3]), HostScalars([1e-3])
-    bits = {kernel_args._bits(x) for x in a.sentinels + b.sentinels}
+    bits = {kernel_args.float_bits(x) for x in a.sentinels + b.sentinels}
     assert len(bits) == 3 and all(math.isnan(x) for x in a.sentinels + b.sentinels)
     assert a.argument(0) == 1e-3  # no capture open: the value
     with capture_scope() as used:
-        assert kernel_args._bits(a.argument(1)) == kernel_args._bits(a.sentinels[1])
+        assert kernel_args.float_bits(a.argument(1)) == kernel_args.float_bits(a.sentinels[1])
         assert kernel_args.live_slot(a.sentinels[1]) == (a, 1)
         assert kernel_args.live_slot(b.sentinels[0]) is None  # not passed in this capture
         assert kernel_args.live_slot(float("nan")) is None and kernel_args.live_slot(1e-3) is None
@@ -184,7 +184,7 @@ class _FakeDriver:
 
 
 def _dbl(x):
-    return kernel_args._bits(x).to_bytes(8, "little")
+    return kernel_args.float_bits(x).to_bytes(8, "little")
 
 
 def test_the_node_scan_sets_exactly_the_sentinel_arguments_and_only_after_a_change():
@@ -193,7 +193,7 @@ def test_the_node_scan_sets_exactly_the_sentinel_arguments_and_only_after_a_chan
     drv = _FakeDriver({"adam0": [b"\x01" * 64, _dbl(s.sentinels[0]), _dbl(0.9), b"\x00"],
                        "adam1": [b"\x02" * 64, _dbl(s.sentinels[1]), _dbl(0.9), b"\x00"],
                        "gemm": [b"\x03" * 16, other]})
-    used = {kernel_args._bits(s.sentinels[i]): (s, i) for i in (0, 1)}
+    used = {kernel_args.float_bits(s.sentinels[i]): (s, i) for i in (0, 1)}
     args = _cuda_nodes.ScalarArgs(0, used, driver=drv)
     assert args.nodes == 2
     args.instantiated(0)
@@ -212,7 +212,7 @@ def test_the_node_scan_sets_exactly_the_sentinel_arguments_and_only_after_a_chan
 def test_a_sentinel_found_in_no_node_fails_the_scan():
     s = HostScalars([1e-3, 2e-3])
     drv = _FakeDriver({"adam0": [_dbl(s.sentinels[0])]})
-    used = {kernel_args._bits(s.sentinels[i]): (s, i) for i in (0, 1)}
+    used = {kernel_args.float_bits(s.sentinels[i]): (s, i) for i in (0, 1)}
     with pytest.raises(_cuda_nodes.RewriteError, match="1 of 2 host scalar"):
         _cuda_nodes.ScalarArgs(0, used, driver=drv)
 

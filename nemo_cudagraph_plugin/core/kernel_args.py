@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Optional
 
-__all__ = ["HostScalars", "capture_scope", "live_slot", "sentinel_map"]
+__all__ = ["HostScalars", "capture_scope", "float_bits", "live_slot"]
 
 # A quiet NaN (exponent all ones, bit 51 set) with a marker in the high payload bits and a counter in the low ones:
 # no arithmetic produces these bits, and two slots never share them.
@@ -37,7 +37,8 @@ _counter = itertools.count(1)
 _local = threading.local()
 
 
-def _bits(x: float) -> int:
+def float_bits(x: float) -> int:
+    """The 64 bits of the double ``x`` (a sentinel as a kernel argument holds them)."""
     return struct.unpack("<Q", struct.pack("<d", x))[0]
 
 
@@ -98,9 +99,5 @@ def live_slot(value: object) -> Optional[tuple[HostScalars, int]]:
     used = getattr(_local, "used", None)
     if not used or not isinstance(value, float) or value == value:  # sentinels are NaNs
         return None
-    return used.get(_bits(value))
+    return used.get(float_bits(value))
 
-
-def sentinel_map(used: dict[int, tuple[HostScalars, int]]) -> dict[int, tuple[HostScalars, int]]:
-    """A copy of a closed scope's sentinels, for the graph that keeps them."""
-    return dict(used)
