@@ -23,11 +23,14 @@ from torch import Tensor
 
 from . import _cuda_nodes
 from ._torch_compat import adam_functional, adam_init_group
-from .adam_step import not_torchs_adam
+from .adam_step import not_torchs_adam, plain_float32_params
 from .kernel_args import HostScalars
 from .user_step import SKIP_NONFINITE, UserStep
 
 __all__ = ["UserMathFusedAdam", "all_fused", "why_not"]
+
+#: the parameter dtypes torch's fused Adam kernel takes (it groups the tensors by dtype itself)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def all_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -50,9 +53,8 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
             return f"param group {i} is differentiable"
         if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
             return f"param group {i} has a tensor lr or betas"
-        for p in g["params"]:
-            if p.device.type != device_type or type(p) not in (Tensor, torch.nn.Parameter):
-                return f"param group {i} holds a parameter that is not a plain {device_type} tensor ({p.device})"
+        if (why := plain_float32_params(i, g, device_type, set(), FUSED_DTYPES)) is not None:
+            return why
     return None
 
 
