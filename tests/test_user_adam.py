@@ -350,14 +350,89 @@ def test_the_eager_tail_and_scale_kernels_on_bf16_round_each_operation_as_torchs
     assert not torch.equal(ps[-1], (before[-1].float() * factor.bfloat16().float()).bfloat16())
 
 
-def test_the_for_loop_update_on_cuda_is_left_to_the_capturable_math_and_says_why(monkeypatch):
-    from nemo_cudagraph_plugin.core import user_adam
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_for_loop_denominator_multiplies_by_the_float32_reciprocal_as_torchs_cuda_division(interpreted, dtype):
+    # torch's for-loop update: ``d = (v.sqrt() / bc2s).add_(eps)`` with a Python float bc2s, which CUDA's division by
+    # a CPU scalar computes as ``v.sqrt() * (1.0f / float32(bc2s))``; then ``p.addcdiv_(m, d, value=s)``
+    from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
+    from nemo_cudagraph_plugin.core.user_sgd import fma_f32
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 31, 32, 33, 100, 2000, 64]
+    ps = [(torch.randn(n, generator=g) * 1e-3).to(dtype) for n in sizes]
+    ms = [(torch.randn(n, generator=g) * 1e-2).to(dtype) for n in sizes]
+    vs = [(torch.rand(n, generator=g) * 1e-4 + 1e-12).to(dtype) for n in sizes]
+    # a BFloat16 square root has 8 significant bits: its quotient and its product with the reciprocal round to
+    # different BFloat16 for some divisors only, as bf16(sqrt(v)) = 0.01153564453125 with 0.9287469387054443
+    vs[-1] = torch.tensor([1.3256072998046875e-4, 1.33514404296875e-4]).repeat(32).to(dtype)
+    bc2s = torch.tensor([(1 - b2 ** k) ** 0.5 for b2, k in [(0.95, 3), (0.999, 1000), (0.95, 100), (0.999, 3),
+                                                             (0.95, 7), (0.999, 5000)]] + [0.9287469387054443],
+                        dtype=torch.float64).float()
+    scale = 1.0 if dtype == torch.float32 else 100.0  # BFloat16: updates above the parameters' rounding
+    step_size = torch.tensor([-3e-4 * scale / (1 - 0.9 ** k) for k in (3, 1000, 100, 3, 7, 5000, 1)],
+                             dtype=torch.float64).float()
+    before = [p.clone() for p in ps]
+    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, bc2s, step_size, 1e-8, reciprocal=True)
+    eps = torch.tensor(1e-8, dtype=torch.float32)
+    bf = lambda x: x.to(torch.bfloat16).float() if dtype == torch.bfloat16 else x  # noqa: E731  (stored as dtype)
+    told_apart = 0
+    for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
+        inv = torch.tensor(1.0, dtype=torch.float32) / bc2s[j]  # the host's float32 division, once
+        sqrt = bf(v.double().sqrt().float())  # sqrtf: correctly rounded
+        d = bf(bf(sqrt * inv) + eps)  # float32 multiply, float32 add
+        # addcdiv: an IEEE division, then one rounding of p + s * q (an FMA), stored once
+        want = fma_f32(step_size[j].expand_as(d), m.float() / d, p0.float()).to(dtype)
+        assert torch.equal(p, want), f"tensor {j}: {(p != want).sum()} elements differ"
+        d_div = bf(bf(sqrt / bc2s[j]) + eps)  # a true division by the float32 divisor (the multi-tensor path's)
+        told_apart += int((fma_f32(step_size[j].expand_as(d), m.float() / d_div, p0.float()).to(dtype) != want).sum())
+    assert told_apart > (20 if dtype == torch.float32 else 10)  # the data tells the reciprocal from a division
+
+
+def test_warm_compiles_every_kernel_variant_the_update_launches():
+    # a capture must never meet a variant not compiled before it (compiling and loading a module while it captures)
+    from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
+
+    class Spy(EagerAdamTail):
+        def __init__(self):
+            super().__init__()
+            self.launched = set()
+
+        def __call__(self, params, exp_avgs, third, bc2s, step_size, eps, from_v=True, reciprocal=False):
+            self.launched.add(("tail", params[0].dtype, from_v, reciprocal))
+
+        def scale(self, params, factor):
+            self.launched.add(("scale", params[0].dtype))
+
+    dtypes = [torch.bfloat16, torch.float32]
+    warmed = Spy()
+    warmed.warm(torch.device("cpu"), dtypes)
+    used = Spy()
+    for dtype, foreach, amsgrad in itertools.product(dtypes, (True, False), (True, False)):
+        ps = [torch.zeros(32, dtype=dtype) for _ in range(2)]
+        state = [[torch.zeros(32, dtype=dtype) for _ in ps] for _ in range(3)]
+        table = ScalarTable(0.9, 0.95, torch.device("cpu"))
+        table.fill_to(4)
+        user_adam.update(ps, [torch.ones(32, dtype=dtype) for _ in ps], *state, [torch.zeros(()) for _ in ps],
+                         foreach=foreach, amsgrad=amsgrad, maximize=False, beta1=0.9, beta2=0.95,
+                         lr=torch.tensor(LR, dtype=torch.float64), weight_decay=0.1, eps=1e-8,
+                         decoupled_weight_decay=True, table=table.values, tail=used)
+    assert {("tail", d, True, r) for d in dtypes for r in (False, True)} <= used.launched  # both forms ran
+    assert used.launched <= warmed.launched, used.launched - warmed.launched
+
+
+def test_the_for_loop_update_on_cuda_keeps_the_users_math(monkeypatch):
     from nemo_cudagraph_plugin.core.user_adam import why_not
 
-    monkeypatch.setattr(user_adam, "triton_available", lambda: True)  # as on a GPU host
+    # as on a GPU host: Triton there, and the parameters' device check passed as for CUDA tensors
+    real = user_adam.plain_float32_params
+    monkeypatch.setattr(user_adam, "triton_available", lambda: True)
+    monkeypatch.setattr(user_adam, "plain_float32_params", lambda i, g, device_type, *a: real(i, g, "cpu", *a))
     p = nn.Parameter(torch.ones(4))
-    assert "for-loop update (foreach=False)" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
-    assert why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cpu") is None
+    for kw in ({"foreach": False}, {"fused": False}, {"foreach": True}, {}):
+        assert why_not(torch.optim.AdamW([p], lr=LR, **kw), "cuda") is None, kw
+        assert why_not(torch.optim.AdamW([p], lr=LR, **kw), "cpu") is None, kw
+    monkeypatch.setattr(user_adam, "triton_available", lambda: False)
+    assert "Triton is not available" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
 
 
 @pytest.mark.parametrize("cls,foreach,amsgrad,maximize,wd", [

@@ -320,11 +320,33 @@ def test_a_fused_adam_keeps_the_users_math_and_says_why_where_it_cannot():
 
 
 def test_adam_with_fused_false_and_foreach_unset_runs_the_for_loop_update_on_cuda(monkeypatch):
-    # torch's adam(): foreach unset and fused=False is its for-loop update, not its default (multi-tensor on CUDA)
+    # torch's adam(): foreach unset and fused=False is its for-loop update, not its default (multi-tensor on CUDA).
+    # The CPU taken for a device with multi-tensor kernels, as CUDA is; the update the captured step runs
+    # (runs_foreach) must be the one torch's own step runs.
+    import torch.optim.adam as torch_adam
+    from torch.optim import optimizer as torch_optimizer
+
+    from nemo_cudagraph_plugin.core._torch_compat import runs_foreach
+
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    # as on a GPU host (Triton there, the parameters' device check passed as for CUDA tensors): either update captured
+    real = user_adam.plain_float32_params
     monkeypatch.setattr(user_adam, "triton_available", lambda: True)
-    p = nn.Parameter(torch.ones(4))
-    assert "for-loop" in user_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=False), "cuda")
-    assert "for-loop" not in (user_adam.why_not(torch.optim.AdamW([p], lr=LR), "cuda") or "")
+    monkeypatch.setattr(user_adam, "plain_float32_params", lambda i, g, device_type, *a: real(i, g, "cpu", *a))
+    ran: list[str] = []
+    for kw, foreach in (({}, True), ({"fused": False}, False), ({"foreach": False}, False), ({"foreach": True}, True)):
+        p = nn.Parameter(torch.ones(4))
+        opt = torch.optim.AdamW([p], lr=LR, **kw)
+        assert runs_foreach(opt.param_groups[0], [p]) is foreach, kw
+        assert user_adam.why_not(opt, "cuda") is None, kw
+        p.grad = torch.ones(4)
+        ran.clear()
+        with monkeypatch.context() as m:  # which of torch's updates its own step runs
+            for name in ("_multi_tensor_adam", "_single_tensor_adam"):
+                fn = getattr(torch_adam, name)
+                m.setattr(torch_adam, name, lambda *a, fn=fn, name=name, **k: ran.append(name) or fn(*a, **k))
+            opt.step()
+        assert ran == ["_multi_tensor_adam" if foreach else "_single_tensor_adam"], kw
 
 
 # ----------------------------------------------------------------------------------------------------------

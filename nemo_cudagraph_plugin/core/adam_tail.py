@@ -81,18 +81,22 @@ def _eager_kernel() -> Any:
     # ``_foreach_addcdiv_(ps, ms, ds, scalars)`` (multi-tensor), ``s`` a Python float. Both CUDA kernels convert ``s``
     # to float32 (opmath) and compute ``p + s * (m / d)`` in float32: an IEEE division, then ``a + s * q`` which nvcc
     # contracts into one FMA (torch >= 2.12 writes ``std::fma`` itself): one rounding, mirrored by ``fma``. Here ``s``
-    # and the multi-tensor path's ``bias_correction2_sqrt`` are read from device memory, one float32 per tensor.
-    # FROM_V: the multi-tensor denominator ``_foreach_sqrt`` (``sqrtf``), ``_foreach_div_`` by the ScalarList (IEEE
-    # division by the float32 scalar), ``_foreach_add_(eps)`` (float32 add) computed here from ``v``; otherwise the
-    # third tensor is the denominator itself (the for-loop path computes it with torch's operations).
-    # BFloat16 tensors (ROUND): each operation computes in float32 (opmath) and stores BFloat16, so the multi-tensor
-    # denominator is rounded to BFloat16 after the square root, the division and the add, and the parameter once
+    # and ``bias_correction2_sqrt`` are read from device memory, one float32 per tensor.
+    # FROM_V: the denominator computed here from ``v``. The multi-tensor one: ``_foreach_sqrt`` (``sqrtf``),
+    # ``_foreach_div_`` by the ScalarList (IEEE division by the float32 scalar), ``_foreach_add_(eps)`` (float32 add).
+    # RECIP, the for-loop one: ``(v.sqrt() / bias_correction2_sqrt).add_(eps)``, whose CUDA division by a Python float
+    # (a CPU scalar: ``div_true_kernel_cuda``) multiplies by ``1.0f / float32(bias_correction2_sqrt)``, a float32
+    # reciprocal computed once, then adds eps: a multiply and an add, each rounded (launched without FP fusion, which
+    # would contract them into one FMA). Without FROM_V the third tensor is the denominator itself (no update
+    # launches that variant).
+    # BFloat16 tensors (ROUND): each operation computes in float32 (opmath) and stores BFloat16, so the denominator is
+    # rounded to BFloat16 after the square root, the division (or multiply) and the add, and the parameter once
     # after the FMA. RNE: round to nearest even as c10's float -> BFloat16 conversion, on the float32's bits (add
     # 0x7FFF plus the lowest kept bit, clear the low half; NaN kept), the same on a GPU and in Triton's interpreter
     # (whose float32 -> bfloat16 cast truncates); the final cast is then exact.
     @triton.jit(do_not_specialize=["n_tensors"])
     def eager_adam_tail_kernel(table, n_tensors, bc2s_ptr, step_size_ptr, eps, ref, FROM_V: tl.constexpr,
-                               ROUND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                               RECIP: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         c = tl.program_id(0)
         t = tl.load(table + 5 * n_tensors + c)
         p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
@@ -102,6 +106,8 @@ def _eager_kernel() -> Any:
         start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)
         s = tl.load(step_size_ptr + t)
         bc2s = tl.load(bc2s_ptr + t)
+        if RECIP:
+            inv = tl.math.div_rn(1.0, bc2s)  # torch's host division, in float32
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
@@ -112,7 +118,10 @@ def _eager_kernel() -> Any:
                     u = d.to(tl.uint32, bitcast=True)
                     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
                     d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
-                    d = tl.math.div_rn(d, bc2s)
+                    if RECIP:
+                        d = d * inv  # the for-loop's division by a Python float, as CUDA computes it
+                    else:
+                        d = tl.math.div_rn(d, bc2s)
                     u = d.to(tl.uint32, bitcast=True)
                     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
                     d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
@@ -120,6 +129,8 @@ def _eager_kernel() -> Any:
                     u = d.to(tl.uint32, bitcast=True)
                     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
                     d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+                elif RECIP:
+                    d = tl.math.sqrt_rn(d) * inv + eps  # two roundings: FP fusion is off for this variant
                 else:
                     d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
             q = tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0).to(tl.float32), d)
@@ -271,16 +282,23 @@ class EagerAdamTail(FusedAdamTail):
     """The last operations of torch's *non-capturable* Adam update, with its Python scalars read from the device.
 
     ``p += s * (m / d)`` with ``s`` (the step size, one float32 per tensor) from device memory, rounded as torch's
-    CUDA ``addcdiv`` rounds it (see :func:`_eager_kernel`); ``d`` computed from ``v`` as the multi-tensor path does
-    (``from_v=True``, ``bias_correction2_sqrt`` one float32 per tensor) or given.
+    CUDA ``addcdiv`` rounds it (see :func:`_eager_kernel`); ``d`` computed from ``v`` (``from_v=True``,
+    ``bias_correction2_sqrt`` one float32 per tensor) as the multi-tensor path does, or as the for-loop path does on
+    CUDA (``reciprocal=True``: a multiply by the float32 reciprocal), or given.
     """
 
     def __call__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor], third: Sequence[Tensor],  # type: ignore[override]
-                 bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float, from_v: bool = True) -> None:
+                 bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float, from_v: bool = True,
+                 reciprocal: bool = False) -> None:
+        if reciprocal and not from_v:
+            raise ValueError("reciprocal=True computes the denominator from v (from_v=True)")
         table, programs = self._table(params, exp_avgs, third)
+        # the for-loop denominator's multiply and add are two roundings: no FP fusion (an FMA) in that variant
+        options = {"enable_fp_fusion": False} if reciprocal else {}
         _eager_kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps),
-                                     params[0].detach(), FROM_V=from_v, ROUND=params[0].dtype == torch.bfloat16,
-                                     BLOCK=self.block, ITERS=self.iters, num_warps=self.num_warps)
+                                     params[0].detach(), FROM_V=from_v, RECIP=reciprocal,
+                                     ROUND=params[0].dtype == torch.bfloat16, BLOCK=self.block, ITERS=self.iters,
+                                     num_warps=self.num_warps, **options)
 
     def scale(self, params: Sequence[Tensor], factor: Tensor) -> None:
         """``p *= factor`` for BFloat16 ``params`` as torch's ``_foreach_mul_`` with a Python float computes it,
@@ -290,14 +308,15 @@ class EagerAdamTail(FusedAdamTail):
                                      ITERS=self.iters, num_warps=self.num_warps)
 
     def warm(self, device: torch.device, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> None:
-        """Compile the variants for parameters of ``dtypes`` before any capture on ``device``."""
+        """Compile the variants :func:`.user_adam.update` launches for parameters of ``dtypes`` (the multi-tensor and
+        the for-loop denominator; BFloat16's decay) before any capture on ``device``."""
         if (device, tuple(dtypes)) in self._warm:
             return
         for dtype in dtypes:
             p, m, v = (torch.ones(64, dtype=dtype, device=device) for _ in range(3))
             one = torch.ones(1, dtype=torch.float32, device=device)
-            for from_v in (True, False):
-                self([p], [m], [v], one, one, 1e-8, from_v=from_v)
+            for reciprocal in (False, True):
+                self([p], [m], [v], one, one, 1e-8, from_v=True, reciprocal=reciprocal)
             if dtype == torch.bfloat16:
                 self.scale([p], one.reshape(()))
         if device.type == "cuda":

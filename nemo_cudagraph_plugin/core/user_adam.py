@@ -25,10 +25,12 @@ A graph would freeze those numbers. Here they come from device memory, equal bit
   ScalarList/``value`` argument no torch kernel reads from the device without a sync) by
   :class:`~.adam_tail.EagerAdamTail`, the same IEEE division and FMA as torch's CUDA kernel. On the CPU (the tape
   backend of the tests) the CPU kernels' order is mirrored instead (``p + (s * m) / d``, no FMA).
-* The for-loop path is mirrored on the CPU only: on CUDA its ``tensor / python_scalar`` rounds as no device-scalar
-  kernel reproduced bit for bit, so there it gets the capturable preparation and says so.
+* The for-loop path's denominator ``(v.sqrt() / bias_correction2_sqrt).add_(eps)`` divides by a Python float. On
+  CUDA that division (a CPU scalar divisor, ``div_true_kernel_cuda``) is a multiply by ``1.0f / float32(bc2_sqrt)``,
+  the reciprocal computed once in float32: the kernel computes the denominator from ``v`` that way (its
+  ``reciprocal`` mode), then ends as the multi-tensor path does. On the CPU torch divides, and so does the mirror.
 * BFloat16 parameters (and moments): torch's kernels compute each operation in float32 with the same float32 scalars
-  and store BFloat16. The kernel rounds the multi-tensor denominator to BFloat16 after each of its operations and
+  and store BFloat16. The kernel rounds the denominator (either path's) to BFloat16 after each of its operations and
   the parameter once; AdamW's decay multiplies by the float32 factor in a kernel of its own (torch's ``mul_`` with a
   float32 0-d CUDA tensor would round the factor to BFloat16 first). On the CPU the update's end is computed in
   float32 and stored once, as torch's CPU ``addcdiv`` does.
@@ -39,9 +41,11 @@ weight decay are constants (the engine re-captures when one changes; the table f
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
 ``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``lr`` and ``betas``, non-fused
-groups (the multi-tensor update, and the for-loop update on the CPU; ``amsgrad``, ``maximize``, weight decay), float32
-or BFloat16 parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused
-kernel's ``found_inf``). Optimizers whose groups are all fused: :mod:`.user_fused_adam`.
+groups (the multi-tensor update and the for-loop one; ``amsgrad``, ``maximize``, weight decay), float32 or BFloat16
+parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's
+``found_inf``). Optimizers whose groups are all fused: :mod:`.user_fused_adam`. The step counters live on the device
+while the update is installed and go back to the CPU after fit, where torch's non-fused update keeps them
+(:meth:`.optim.OptimizerPrep.restore`).
 """
 
 from __future__ import annotations
@@ -138,12 +142,6 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
         off = [k for k in ("capturable", "differentiable") if g.get(k)]
         if off:
             return f"param group {i} is {', '.join(off)}"
-        # foreach unset with fused=False is torch's for-loop too (``adam()``); unset with fused unset: foreach on CUDA
-        for_loop = g.get("foreach") is False or (g.get("foreach") is None and g.get("fused") is False)
-        if device_type == "cuda" and for_loop:
-            # torch's for-loop update divides by a Python scalar on CUDA; its rounding is not mirrored bit for bit
-            # (measured: 1 ulp of the loss apart within 13 steps), so its capturable form is graphed instead
-            return f"param group {i} runs the for-loop update (foreach=False)"
         if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
             return f"param group {i} has a tensor lr or betas"
         if (why := plain_float32_params(i, g, device_type, devices, TAIL_DTYPES)) is not None:
@@ -205,26 +203,24 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
             for mx, v in zip(max_exp_avg_sqs, exp_avg_sqs):
                 torch.maximum(mx, v, out=mx)
         source = max_exp_avg_sqs
-    on_cuda = params[0].device.type == "cuda"
-    use_tail = tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES)
-    if foreach and use_tail:
-        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, from_v=True)
+    if tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES):
+        # the denominator from v as CUDA computes it: the multi-tensor path divides by the ScalarList's float32, the
+        # for-loop path's division by a Python float multiplies by its float32 reciprocal
+        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, from_v=True, reciprocal=not foreach)
         return
+    if params[0].device.type == "cuda":
+        # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
+        raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
     if foreach:
         denom = torch._foreach_sqrt(source)
         torch._foreach_div_(denom, list(bc2_sqrt.unbind()))  # the ScalarList's float32 division
         torch._foreach_add_(denom, eps)
-    else:  # the for-loop update, on the CPU only (its CUDA division is not mirrored: why_not refuses it there)
+    else:  # the for-loop update: torch's CPU division by a Python float divides (by its float32)
         denom = [v.sqrt().div_(bc2_sqrt[j]).add_(eps) for j, v in enumerate(source)]
-    if use_tail:
-        tail(params, exp_avgs, denom, bc2_sqrt, step_size, eps, from_v=False)
-    elif not on_cuda:
-        # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation in float32 (the opmath
-        # type of BFloat16 too), the result stored once in the parameter's dtype.
-        for p, m, d, s in zip(params, exp_avgs, denom, step_size.unbind()):
-            p.copy_(p.float() + (s * m.float()) / d.float())
-    else:  # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
-        raise RuntimeError("the eager-math Adam update needs its Triton kernel for these tensors")
+    # torch's CPU addcdiv: ``self + value * t1 / t2`` = ``p + (s * m) / d``, each operation in float32 (the opmath
+    # type of BFloat16 too), the result stored once in the parameter's dtype.
+    for p, m, d, s in zip(params, exp_avgs, denom, step_size.unbind()):
+        p.copy_(p.float() + (s * m.float()) / d.float())
 
 
 class _Group:

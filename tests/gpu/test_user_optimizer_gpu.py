@@ -27,6 +27,8 @@ SGD_LR = 0.03  # not a float32 either
 FORMS = {
     "adamw-foreach": (torch.optim.AdamW, ADAM),
     "adam-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "amsgrad": True, "maximize": True, "weight_decay": 0.01}),
+    # torch's for-loop update: its division by a Python float is CUDA's multiply by the float32 reciprocal
+    "adamw-for-loop": (torch.optim.AdamW, {**ADAM, "foreach": False}),
     # torch's SGD (multi-tensor by default on CUDA; the groups carry weight decay)
     "sgd-foreach-momentum": (torch.optim.SGD, {"lr": SGD_LR, "momentum": 0.9}),
     "sgd-foreach-nesterov": (torch.optim.SGD, {"lr": SGD_LR, "momentum": 0.9, "nesterov": True}),
@@ -38,12 +40,13 @@ FORMS = {
 FUSED = {"adamw-fused": (torch.optim.AdamW, {**ADAM, "fused": True}),
          "adam-fused-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "fused": True, "amsgrad": True, "maximize": True,
                                                            "weight_decay": 0.01})}
-# graphed with the capturable math and reported (the for-loop Adam's CUDA division is not mirrored bit for bit)
-OTHER_FORMS = {"adamw-for-loop": (torch.optim.AdamW, {**ADAM, "foreach": False})}
+# torch's for-loop update again: fused=False with foreach unset runs it too (amsgrad: the denominator from the maximum)
+FOR_LOOP = {"adam-for-loop-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "fused": False, "amsgrad": True,
+                                                                  "maximize": True, "weight_decay": 0.01})}
 
 
 def module(form: str, precision: str):
-    cls, kw = {**FORMS, **FUSED, **OTHER_FORMS}[form]
+    cls, kw = {**FORMS, **FUSED, **FOR_LOOP}[form]
     m = make_module(lr=LR, warmup_steps=10, max_steps=200)
     groups_of = type(m).configure_optimizers
 
@@ -129,12 +132,18 @@ def test_resume_with_sgd_momentum_equals_the_users_resumed_eager_run(tmp_path):
                    run(False, "sgd-foreach-momentum", "32-true", 80, **kw))
 
 
-def test_the_for_loop_update_is_reported_as_graphed_with_other_math():
-    g = run(True, "adamw-for-loop", "32-true", 20)
-    assert g[3].stats.replays > 0 and "for-loop" in g[3].stats.optimizer_math, g[3].stats.optimizer_math
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_the_for_loop_update_200_steps_equals_the_users_eager_run_and_its_counters_go_back_to_the_cpu(precision):
+    form = "adam-for-loop-amsgrad-maximize"
+    kw = dict(gradient_clip_val=1.0)
+    g = run(True, form, precision, 200, **kw)
+    assert_bitwise(g, run(False, form, precision, 200, **kw))
+    # after fit the step counters are back where torch's for-loop update keeps them (a fused one's stay on the GPU)
+    opt = g[0].optimizers[0]
+    assert opt.state and all(not s["step"].is_cuda for s in opt.state.values()) and "step" not in opt.__dict__
 
 
-ADAM_FORMS = ["adamw-foreach", "adam-amsgrad-maximize"]
+ADAM_FORMS = ["adamw-foreach", "adam-amsgrad-maximize", "adamw-for-loop"]
 SGD_FORMS = sorted(f for f in FORMS if f.startswith("sgd"))
 
 
@@ -266,3 +275,41 @@ def test_the_bf16_adam_kernels_are_torchs_cuda_foreach_ops_bit_for_bit():
     tail.scale(got, torch.tensor(factor, dtype=torch.float64, device="cuda").float())
     for j, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"decay, tensor {j}: {(a != b).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_for_loop_adam_kernel_is_torchs_cuda_for_loop_ops_bit_for_bit(dtype):
+    # the for-loop update's end as torch runs it with its Python floats, against the kernel's reciprocal mode:
+    # ``(v.sqrt() / bc2s).add_(eps)`` (CUDA multiplies by 1.0f / float32(bc2s)), ``p.addcdiv_(m, d, value=s)``
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, 3, 4095, 4096, 4097, 1 << 20, 3_000_001]
+    ps = [(torch.randn(n, device="cuda", generator=g) * 1e-3).to(dtype) for n in sizes]
+    ms = [(torch.randn(n, device="cuda", generator=g) * 1e-2).to(dtype) for n in sizes]
+    vs = [(torch.rand(n, device="cuda", generator=g) * 1e-4).to(dtype) for n in sizes]
+    # a BFloat16 square root has 8 significant bits: its quotient and its product with the reciprocal round to
+    # different BFloat16 for some divisors only, as bf16(sqrt(v)) = 0.01153564453125 with 0.9287469387054443
+    ps.append((torch.randn(4096, device="cuda", generator=g) * 1e-3).to(dtype))
+    ms.append((torch.randn(4096, device="cuda", generator=g) * 1e-2).to(dtype))
+    vs.append(torch.tensor([1.3256072998046875e-4, 1.33514404296875e-4], device="cuda").repeat(2048).to(dtype))
+    n = len(ps)
+    # (bias_correction2_sqrt, step size) as the host computes them: beta2 0.95 or 0.999, lr 3e-4, beta1 0.9
+    cases = [((1 - b2 ** k) ** 0.5, -(LR / (1 - 0.9 ** k))) for b2, k in [(0.95, 1), (0.95, 3), (0.95, 7), (0.95, 100),
+                                                                         (0.95, 1000), (0.999, 1), (0.999, 3),
+                                                                         (0.999, 1000), (0.999, 5000)]]
+    cases.append((0.9287469387054443, -5e-2))  # the divisor above; a step size whose updates show in BFloat16
+    tail = EagerAdamTail()
+    told_apart = 0
+    for bc2s, step_size in cases:
+        want = [p.clone() for p in ps]
+        for w, m, v in zip(want, ms, vs):
+            w.addcdiv_(m, (v.sqrt() / bc2s).add_(1e-8), value=step_size)
+        got = [p.clone() for p in ps]
+        bc2s_t = torch.full((n,), bc2s, dtype=torch.float64, device="cuda").float()
+        step_t = torch.full((n,), step_size, dtype=torch.float64, device="cuda").float()
+        tail(got, ms, vs, bc2s_t, step_t, 1e-8, reciprocal=True)
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"bc2s {bc2s}, tensor {j}: {(a != b).sum().item()} elements differ"
+        divided = [p.clone() for p in ps]
+        tail(divided, ms, vs, bc2s_t, step_t, 1e-8)  # the multi-tensor mode: a division by float32(bc2s)
+        told_apart += sum(int((a != b).sum()) for a, b in zip(divided, want))
+    assert told_apart > 1000  # the data tells the reciprocal from a division
