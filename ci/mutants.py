@@ -1535,6 +1535,12 @@ MUTANTS: list[Mutant] = [
            "lambda graph, fixed=pool.get(): backend.capture(graph, fixed, stream)",
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
            "a backward is captured into the pool its forward had, which a failed capture in between left unusable"),
+    Mutant("partial-grads-added-in-autograd-grad", "cpu", GMOD,
+           "        if not self.alone() or not acc.full_pass():\n",
+           "        if not self.alone():\n",
+           (PT + "test_a_backward_that_takes_input_gradients_only_leaves_grad_alone",),
+           "the backward graphs add the parameters' gradients into .grad in a torch.autograd.grad pass too, which "
+           "eager training leaves .grad alone in: the gradients the update reads are counted twice"),
 ]
 
 

@@ -2,9 +2,11 @@
 
 Discovery (the largest modules that capture around a module or a loss that reads the host), the autograd wiring
 (forward and backward graphs behind one ``autograd.Function``: losses, gradients and parameters equal to eager bit
-for bit over several steps, ``.grad`` accumulated as eager does), the guards (a new input shape, train/eval, a moved
-parameter, ``max_graphs``), the coverage and the islands' reasons in ``stats``, and the option's errors. The tape
-re-runs the operators it recorded, so a graphed step computes exactly what the eager one does: bitwise is expected.
+for bit over several steps, ``.grad`` accumulated as eager does, by the backward graphs themselves where a parameter
+gets one gradient per backward, by autograd where it gets more: tied, read by the loss too, a module called twice,
+``autograd.grad``), the guards (a new input shape, train/eval, a moved parameter, ``max_graphs``), the coverage and
+the islands' reasons in ``stats``, and the option's errors. The tape re-runs the operators it recorded, so a graphed
+step computes exactly what the eager one does: bitwise is expected.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 from _tape import TapeBackend
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nemo_cudagraph_plugin
 from nemo_cudagraph_plugin import CaptureConfig, CaptureError, CudaGraphCallback
@@ -133,8 +136,12 @@ def batches(n, rows=(5,), seed=1):
             for i in range(n)]
 
 
-def train(make, data, graphed, between=None, zero_every=1, loss_in_model=False, **cfg):
-    """Per-step losses, gradients and the final parameters of an AdamW training loop; the tier when graphed."""
+def train(make, data, graphed, between=None, zero_every=1, loss_in_model=False, set_to_none=True, extra=None,
+          input_grad=False, **cfg):
+    """Per-step losses, gradients and the final parameters of an AdamW training loop; the tier when graphed.
+    ``set_to_none=False`` zeroes the gradients in place (as the tier's owner does); ``extra(i, model)`` is added to
+    the loss; ``input_grad``: each step also takes the gradient of the loss with respect to the batch
+    (``torch.autograd.grad``, a pass that must leave ``.grad`` alone) before its backward."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=2.0**-6)
@@ -146,8 +153,14 @@ def train(make, data, graphed, between=None, zero_every=1, loss_in_model=False, 
             between(i, model)
         with tier.step() if tier is not None else contextlib.nullcontext():
             if i % zero_every == 0:
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=set_to_none)
+            if input_grad:
+                x = x.clone().requires_grad_()
             loss = model(x, y) if loss_in_model else (model(x) - y).pow(2).mean()
+            if extra is not None:
+                loss = loss + extra(i, model)
+            if input_grad:
+                torch.autograd.grad(loss, x, retain_graph=True)
             loss.backward()
             if (i + 1) % zero_every == 0:
                 opt.step()
@@ -172,7 +185,8 @@ def both(make, data, **kw):
         warnings.simplefilter("ignore")
         return train(make, data, True, **kw), train(make, data, False, **{k: v for k, v in kw.items()
                                                                           if k in ("between", "zero_every",
-                                                                                   "loss_in_model")})
+                                                                                   "loss_in_model", "set_to_none",
+                                                                                   "extra", "input_grad")})
 
 
 def test_runs_this_checkout():
@@ -439,6 +453,211 @@ def test_outputs_are_copies_that_later_replays_do_not_overwrite():
     assert all(torch.equal(a, e) for a, e in zip(kept, expected))
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# parameter gradients added into .grad inside the backward graphs
+# ----------------------------------------------------------------------------------------------------------------------
+def _recording(fn, *args, **kwargs):
+    """``fn``'s result and the warnings it raised about gradients that came from outside a module too."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = fn(*args, **kwargs)
+    return out, [str(w.message) for w in seen if "from outside it in one backward" in str(w.message)]
+
+
+def _both_seen(make, data, **kw):
+    """:func:`both` with the graphed run's warnings about gradients that came from outside a module too."""
+    g, seen = _recording(train, make, data, True, **kw)
+    return (g, train(make, data, False, **kw)), seen
+
+
+def _no_probe_left(model):
+    return all(p._backward_hooks is None and not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("zero_every", [1, 2], ids=["every-step", "accumulating-two-backwards"])
+def test_parameter_gradients_are_added_inside_the_backward_graphs_bitwise_as_autograd(zero_every):
+    """Gradients zeroed in place (as the tier's owner zeroes them): every parameter of the graphed modules has its
+    gradient added into ``.grad`` by its module's graph, the same in-place add autograd makes; with two backwards per
+    window the second adds into a non-zero gradient. Losses, gradients and parameters equal eager training bit for
+    bit, and the probe leaves no hook behind."""
+    (g, e), seen = _both_seen(Net, batches(9), set_to_none=False, zero_every=zero_every)
+    rep = g[3].report
+    assert rep.graphed == ["inp", "b0", "b1", "out"]
+    assert rep.grads_in_graphs == 8 and rep.grads_outside == {} and not seen
+    assert "8 parameters' gradients accumulated inside graphs" in rep.summary()
+    assert _no_probe_left(g[4])
+    assert_bitwise(g, e)
+
+
+class _AddsOutside(TorchDispatchMode):
+    """Counts the in-place adds dispatched outside graph replays."""
+
+    def __init__(self, tally):
+        super().__init__()
+        self.tally, self.adds = tally, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.add_.Tensor and not self.tally.inside:
+            self.adds += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_backward_launches_no_add_per_parameter_outside_the_graphs():
+    """The step whose graphs all replay: autograd's accumulation launched one add per parameter outside the graphs;
+    with the adds inside the backward graphs none is left, and the tier's operator coverage counts 8 fewer outside."""
+
+    def run(accumulate):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=2.0**-6)
+        tier = PartialGraphs(model, CaptureConfig(warmup_steps=2), cpu, backend=TapeBackend())
+        if not accumulate:
+            tier.grads.full_pass = lambda: False  # every backward hands the gradients to autograd
+        counter = _AddsOutside(tier.tally)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, (x, y) in enumerate(batches(7)):
+                with tier.step():
+                    opt.zero_grad(set_to_none=False)
+                    loss = (model(x) - y).pow(2).mean()
+                    with counter if i == 6 else contextlib.nullcontext():
+                        loss.backward()
+                    opt.step()
+        return counter.adds, tier.report
+
+    on, rep = run(True)
+    off, base = run(False)
+    assert (on, off) == (0, 8)
+    assert base.grads_in_graphs == 0 and rep.grads_in_graphs == 8
+    assert base.ops_outside - rep.ops_outside == 8 and rep.op_coverage > base.op_coverage
+
+
+class TiedLM(nn.Module):
+    """An embedding and an LM head sharing one weight, a host read between them: embedding and head are two graphed
+    modules, each giving the shared weight a gradient in the same backward."""
+
+    def __init__(self, vocab=11):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 8)
+        self.mid = Block(dropout=0.0)
+        self.guard = Guard()
+        self.head = nn.Linear(8, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.guard(self.mid(self.emb(ids))))
+
+
+def _train_lm(graphed, steps=8, zero_every=2):
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=2.0**-6)
+    tier = PartialGraphs(model, CaptureConfig(warmup_steps=2), cpu, backend=TapeBackend()) if graphed else None
+    gen = torch.Generator().manual_seed(3)
+    losses, grads = [], []
+    for i in range(steps):
+        ids = torch.randint(0, 11, (4, 6), generator=gen)
+        with tier.step() if tier is not None else contextlib.nullcontext():
+            if i % zero_every == 0:
+                opt.zero_grad(set_to_none=False)
+            loss = nn.functional.cross_entropy(model(ids[:, :-1]).reshape(-1, 11), ids[:, 1:].reshape(-1))
+            loss.backward()
+            if (i + 1) % zero_every == 0:
+                opt.step()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return losses, grads, [p.detach().clone() for p in model.parameters()], tier, model
+
+
+def test_a_tied_weight_keeps_autograds_accumulation():
+    """The weight the embedding and the head share gets two gradients in one backward, which autograd sums before it
+    adds them: it stays with autograd (said in stats), the head's and the block's other parameters are added inside
+    the graphs, and training equals eager bit for bit while gradients accumulate over two backwards."""
+    g, seen = _recording(_train_lm, True)
+    e = _train_lm(False)
+    rep = g[3].report
+    assert rep.graphed == ["emb", "mid", "head"] and list(rep.islands) == ["guard"]
+    assert list(rep.grads_outside) == ["emb.weight"] and rep.grads_outside["emb.weight"].startswith("tied")
+    assert rep.grads_in_graphs == 2 and not seen  # the block's weight and bias
+    assert_bitwise(g, e)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["every-step", "from-step-5"])
+def test_a_parameter_the_loss_also_reads_stays_correct(late):
+    """The loss reads a graphed module's weight too: a second contribution to its gradient. Read from the start, the
+    probe at the first backward finds it before any graph adds: autograd keeps that parameter, nothing differs and
+    nothing is said (gradients accumulated over two backwards, where the order of the sum shows). Read from step 5
+    on, after the graph added it for steps: found at the end of that backward, said once, autograd's from then on."""
+
+    def extra(i, model):
+        return model.b0.fc.weight.pow(2).sum() * 1e-2 if not late or i >= 5 else 0.0
+
+    (g, e), seen = _both_seen(Net, batches(9), set_to_none=False, zero_every=1 if late else 2, extra=extra)
+    rep = g[3].report
+    assert list(rep.grads_outside) == ["b0.fc.weight"] and rep.grads_in_graphs == 7
+    if late:
+        assert len(seen) == 1 and "'b0.fc.weight' came from the graph of module 'b0'" in seen[0]
+    else:
+        assert not seen
+    assert_bitwise(g, e)
+
+
+@pytest.mark.parametrize("how", ["none", "replaced"])
+def test_a_gradient_set_to_none_or_replaced_by_user_code_stays_correct(how):
+    """User code sets every ``.grad`` to None (as Lightning does before validation) or replaces it between steps:
+    the graph never adds into the old tensor; that call's gradients go to autograd and the accumulation graph is
+    built again with the gradients then present."""
+
+    def drop(i, model):
+        if i == 5:
+            for p in model.parameters():
+                p.grad = None if how == "none" else torch.zeros_like(p)
+
+    (g, e), seen = _both_seen(Net, batches(9), set_to_none=False, zero_every=2, between=drop)
+    rep = g[3].report
+    assert rep.grads_in_graphs == 8 and not seen
+    assert all(p.grad is grad for n in g[3].nodes for k in n.cache.keys()
+               for _, p, grad in n.cache.peek(k).accumulated)
+    assert_bitwise(g, e)
+
+
+def test_a_backward_that_takes_input_gradients_only_leaves_grad_alone():
+    """``torch.autograd.grad`` with respect to the batch runs the backward graphs too: it must not add anything into
+    ``.grad`` (eager training does not); the ``backward()`` after it does."""
+    (g, e), seen = _both_seen(Net, batches(8), set_to_none=False, zero_every=2, input_grad=True)
+    assert g[3].report.grads_in_graphs == 8 and not seen
+    assert_bitwise(g, e)
+
+
+class TwoShapes(Net):
+    """Calls its block ``b0`` a second time, on another shape, once ``_twice`` is set: two graphs of one module give
+    its parameters two gradients in one backward."""
+
+    def __init__(self):
+        super().__init__(guard=True, dropout=0.0)
+        self._twice = False  # private: the module-state guard does not drop the graphs when it changes
+
+    def forward(self, x):
+        h = self.b0(self.inp(x))
+        if self._twice:
+            h = h + self.b0(h[:3]).sum(0)
+        return self.out(self.b1(self.guard(h)))
+
+
+def test_a_module_called_twice_in_a_step_hands_its_gradients_to_autograd():
+    """From step 5 on ``b0`` is called twice per step (a second signature, captured too): autograd must sum its two
+    gradients before adding them, so neither graph adds them itself; the other modules' graphs still do."""
+
+    def twice(i, model):
+        model._twice = i >= 5
+
+    (g, e), seen = _both_seen(TwoShapes, batches(10), set_to_none=False, zero_every=2, between=twice)
+    rep = g[3].report
+    assert rep.captures == 5 and not seen  # b0's second signature is a graph of its own
+    assert rep.grads_in_graphs == 8  # b0's first graph keeps its accumulation graph for steps with one call
+    assert_bitwise(g, e)
+
+
 class _ClipGrad(torch.autograd.Function):
     """Identity forward; a backward that asks the host whether to clip."""
 
@@ -619,6 +838,9 @@ def test_lightning_partial_graphs_equal_eager(scope):
     rep = g.stats.partial
     assert rep is not None and rep.graphed == ["model"] and list(rep.islands) == ["guard"]
     assert rep.replays > 0 and g.cb.eager_reason is None
+    # every gradient but the tied embedding/head weight's is added into .grad inside the model's backward graphs
+    assert rep.grads_in_graphs == sum(1 for _ in g.module.parameters()) - 1
+    assert list(rep.grads_outside) == ["model.emb.tok.weight"]
     assert g.stats.eager_reasons.get("partial graphs", 0) > 0 and g.stats.replays == 0
     assert "partial graphs:" in g.stats.summary()
 
@@ -729,6 +951,26 @@ def test_lightning_partial_graphs_keep_the_optimizer_graph_across_validation():
 
 
 @pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_accumulate_gradients_inside_the_graphs_across_batches_and_validation():
+    """``accumulate_grad_batches=2`` (the second backward of a window adds into a non-zero gradient) and a
+    validation every 4 steps (Lightning sets the gradients to None before it, the callback gives the same tensors
+    back after it): the backward graphs add the gradients into ``.grad`` themselves, and training equals eager bit
+    for bit."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    kw = {"steps": 12, "val_every": 4, "accumulate_grad_batches": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, cls, True, {"scope": "modules", "nan_guard": False}, **kw)
+    e = _fit(lt, cls, False, **kw)
+    lt.assert_same(g, e)
+    assert g.rec.val == e.rec.val and len(g.rec.val) >= 2
+    rep = g.stats.partial
+    assert rep.grads_in_graphs == sum(1 for _ in g.module.parameters()) - 1 and rep.replays > 0
+    assert "accumulated inside graphs (1 by autograd: model.emb.tok.weight)" in g.stats.summary()
+
+
+@pytest.mark.lightning_adapter
 def test_lightning_partial_graphs_follow_module_state_changes_every_step():
     """A submodule put in eval() and back every other step: each change re-captures the modules' graphs (the
     whole-step tier refuses a state changed this often, counting its own replays; the partial tier follows it)."""
@@ -811,6 +1053,7 @@ def test_hf_llama_with_a_host_reading_module_graphs_everything_else():
     assert rep.islands["model.model.layers.1"].startswith(
         "its own code (not its submodules): " + _line(HostCheck.forward, "LLAMA-READ") + ": a host synchronisation")
     assert rep.replays > 0 and rep.modules_graphed == rep.modules_called - 3  # the CausalLM, its model, the check
+    assert rep.grads_in_graphs == sum(1 for _ in module.parameters()) and not rep.grads_outside  # no tied weight
 
 
 @pytest.mark.lightning_adapter

@@ -45,6 +45,13 @@ __all__ = [
     "autocast_cache_disabled",
     "autocast_state",
     "zero_grads_in_place",
+    "grad_accumulator",
+    "backward_runs",
+    "backward_pass_id",
+    "at_backward_end",
+    "has_grad_hooks",
+    "drop_empty_grad_hooks",
+    "is_view",
 ]
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -55,7 +62,8 @@ MAX_TESTED_TORCH = Version("2.13.0")
 def check_torch_version() -> None:
     check_tested_version(
         "torch", TORCH_VERSION, MIN_TORCH, MAX_TESTED_TORCH,
-        "torch._foreach_norm/_foreach_copy_ and optimizer attributes (found_inf, _warned_capturable_if_run_uncaptured)",
+        "torch._foreach_norm/_foreach_copy_, optimizer attributes (found_inf, _warned_capturable_if_run_uncaptured) "
+        "and the autograd engine's pass queries (_will_engine_execute_node, _current_graph_task_id)",
     )
 
 
@@ -264,3 +272,46 @@ def zero_grads_in_place(optimizer: Any) -> bool:
     for grads in dense.values():
         torch._foreach_zero_(grads)
     return True
+
+
+def grad_accumulator(leaf: Tensor) -> Any:
+    """The autograd node that adds a leaf tensor's gradients into its ``.grad`` (its ``AccumulateGrad``; made where
+    there is none yet, and kept by the leaf while a graph of autograd holds it)."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+def backward_runs(node: Any) -> bool:
+    """Whether the backward pass running now (call it inside one) runs ``node``: an ``AccumulateGrad`` of a leaf
+    that is none of the pass's ``inputs`` runs in ``backward()`` without ``inputs`` only (not in ``autograd.grad``,
+    nor in ``backward(inputs=...)``)."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def backward_pass_id() -> int:
+    """An id of the backward pass running now, never reused (``-1`` outside one)."""
+    return torch._C._current_graph_task_id()
+
+
+def at_backward_end(fn: Any) -> None:
+    """Run ``fn()`` once the backward pass running now has run every node (not where the pass raises)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def has_grad_hooks(leaf: Tensor) -> bool:
+    """Whether hooks registered on the tensor expect to see its gradient (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return bool(leaf._backward_hooks) or bool(leaf._post_accumulate_grad_hooks)
+
+
+def is_view(t: Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor (sharing its version counter)."""
+    return t._is_view()
+
+
+def drop_empty_grad_hooks(leaf: Tensor) -> None:
+    """After the last ``register_hook`` handle of a tensor that had none was removed: torch keeps an empty hook
+    dictionary that autograd still calls (the GIL taken, every backward); leave the tensor without it, as it was. Not
+    inside the hooks' own call."""
+    if leaf._backward_hooks is not None and not leaf._backward_hooks:
+        leaf._backward_hooks = None

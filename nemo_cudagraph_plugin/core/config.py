@@ -94,20 +94,21 @@ class CaptureConfig:
             the end-of-fit summary says why (other optimizers are not concerned). Eager steps always run torch's
             step. ``False``: torch's own capturable update is captured. Not used where ``optimizer_math="eager"``
             captures the user's own update.
-        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor, ``amsgrad``, ``maximize``, weight
-            decay, float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) or ``torch.optim.SGD`` (multi-tensor or
-            for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``, float ``lr``; float32 or BFloat16
-            parameters; Triton on CUDA) keeps its own settings and its own non-capturable update is captured, with the scalars its Python
-            computes on the host (Adam's bias corrections, step size and decay factor; the ``lr`` of both) read from
-            the device as the same float64 numbers and rounded where torch's kernels round them
-            (:mod:`nemo_cudagraph_plugin.core.user_adam`, :mod:`nemo_cudagraph_plugin.core.user_sgd`); a fused
-            Adam/AdamW keeps torch's own fused update, its float ``lr`` set in the graph's kernel arguments before each
-            replay (:mod:`nemo_cudagraph_plugin.core.user_fused_adam`). Other optimizers and settings (fused SGD,
-            fused and non-fused groups mixed, tensor ``lr``, ``nan_action="skip"``, the for-loop Adam on CUDA) get
-            the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step,
-            ``stats.optimizer_math_gap`` by how much. ``"capturable"``: always the capturable preparation
-            (``capturable=True``, ``lr`` a float32 device tensor, bias corrections computed on the device in float32):
-            bitwise equal to eager training with that preparation, about 1e-4 relative from your own run.
+        optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor or for-loop, ``amsgrad``,
+            ``maximize``, weight decay, float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) or
+            ``torch.optim.SGD`` (multi-tensor or for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``,
+            float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) keeps its own settings and its own
+            non-capturable update is captured, with the scalars its Python computes on the host (Adam's bias
+            corrections, step size and decay factor; the ``lr`` of both) read from the device as the same float64
+            numbers and rounded where torch's kernels round them (:mod:`nemo_cudagraph_plugin.core.user_adam`,
+            :mod:`nemo_cudagraph_plugin.core.user_sgd`); a fused Adam/AdamW keeps torch's own fused update, its float
+            ``lr`` set in the graph's kernel arguments before each replay
+            (:mod:`nemo_cudagraph_plugin.core.user_fused_adam`). Other optimizers and settings (fused SGD, fused and
+            non-fused groups mixed, tensor ``lr``, ``nan_action="skip"``) get the capturable preparation;
+            ``stats.optimizer_math`` says why and, after a verified step, ``stats.optimizer_math_gap`` by how much.
+            ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device tensor,
+            bias corrections computed on the device in float32): bitwise equal to eager training with that
+            preparation, about 1e-4 relative from your own run.
         scope: what is graphed. ``"step"``: the whole step, or (a step that cannot be captured whole)
             ``on_capture_error``'s refusal or eager training. ``"modules"``: partial graphs always: the forward and
             backward of the largest submodules that capture are graphs (static inputs and outputs, an
@@ -291,6 +292,11 @@ class PartialStats:
     optimizer_captures: int = 0
     optimizer_replays: int = 0
     optimizer_recaptures: int = 0
+    #: parameters whose gradient a graph adds into ``.grad`` (autograd launches nothing for them), and the parameters
+    #: of graphed modules whose gradient autograd accumulates for good: name -> why (tied, a hook on it, a gradient
+    #: from outside its module too)
+    grads_in_graphs: int = 0
+    grads_outside: dict[str, str] = field(default_factory=dict)
 
     @property
     def op_coverage(self) -> Optional[float]:
@@ -313,7 +319,11 @@ class PartialStats:
             f"partial graphs: {len(self.graphed)} graphed modules ({', '.join(n or '<root>' for n in self.graphed)}),"
             f" {self.modules_graphed}/{self.modules_called} modules inside graphs"
             + (f", {cov:.1%} of the step's operators" if cov is not None else "")
-            + f"; {self.captures} captures, {self.replays} module replays; islands: {islands};"
+            + f"; {self.captures} captures, {self.replays} module replays"
+            + f"; {self.grads_in_graphs} parameters' gradients accumulated inside graphs"
+            + (f" ({len(self.grads_outside)} by autograd: {', '.join(list(self.grads_outside)[:3])}"
+               f"{', ...' if len(self.grads_outside) > 3 else ''})" if self.grads_outside else "")
+            + f"; islands: {islands};"
             f" optimizer side {self.optimizer.split(':')[0]}"
         )
 

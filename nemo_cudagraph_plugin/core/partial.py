@@ -27,9 +27,16 @@ module (``on_cache_full``). Generators registered with the tier advance with eac
 eagerly, as written. The optimizer side of the step (clipping and the update) is one graph of its own where the owner
 asks for it (:meth:`PartialGraphs.graph_optimizer`, :mod:`.partial_optimizer`).
 
+**Gradients.** A graphed module's backward graph adds its parameters' gradients into ``.grad`` itself where that is
+exactly what autograd's accumulation would do (:class:`~.graphed_module.GradAccumulation`: the parameter's only
+gradient in the backward, the module called once in the step, no hook on the parameter, a ``.grad`` that stays where
+it is, as this tier's owner keeps it by zeroing in place); elsewhere autograd adds them, one kernel per parameter
+outside the graphs.
+
 **Coverage** (:class:`~.config.PartialStats`): the graphed modules, the islands with their reasons, the share of
-the step's modules inside graphs, and the share of its operators (as the dispatcher sees them: one eager step
-against one step whose graphs all replayed).
+the step's modules inside graphs, the share of its operators (as the dispatcher sees them: one eager step against
+one step whose graphs all replayed), and how many parameters' gradients are accumulated inside graphs (those left to
+autograd for good, with why).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from .buffers import flatten, signature_of
 from .config import CaptureConfig, CaptureStats, PartialStats
 from .errors import CaptureError, capture_error_from, root_cause
 from .graph_cache import GraphCache
-from .graphed_module import GraphedCall, ReplayTally, capture_call, module_tensors
+from .graphed_module import GradAccumulation, GraphedCall, ReplayTally, capture_call, module_tensors
 from .module_state import ModuleStateWatch
 from .partial_optimizer import OptimizerGraph
 from .rng import GeneratorRegistry
@@ -124,6 +131,9 @@ class PartialGraphs:
         self.stats = stats or CaptureStats()
         self.report = self.stats.partial = PartialStats()
         self.tally = ReplayTally()
+        #: which parameters' gradients the backward graphs add into ``.grad`` themselves
+        self.grads = GradAccumulation(root, device)
+        self.grads.on_change = self._changed
         self.watch = ModuleStateWatch(root)
         self.nodes: list[_Node] = []
         self._warmup_left = max(1, config.warmup_steps if warmup_steps is None else warmup_steps)
@@ -191,6 +201,7 @@ class PartialGraphs:
             node.forward = None
             node.cache.clear()
         self.nodes = []
+        self.grads.close()
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -206,6 +217,7 @@ class PartialGraphs:
         for node in self.nodes:
             node.calls = 0
         self._events = 0
+        self.grads.begin_step()
         measure = "step" if self._warmup_left == 1 else ("outside" if self._measure == "outside" else None)
         counter = _OpCounter(self.tally) if measure is not None else None
         # The step whose graphs all replay is also the one whose islands are timed (the other steps time nothing).
@@ -352,6 +364,11 @@ class PartialGraphs:
             node.cache.evict_lru()
         return self._capture(node, key, leaves, spec, args, kwargs)
 
+    def _changed(self) -> None:
+        """A graph that adds parameters' gradients into ``.grad`` was captured, or a parameter left it: this step is
+        not the one whose operators are counted."""
+        self._events += 1
+
     def _eager_call(self, reason: str) -> None:
         self._events += 1
         calls = self.report.eager_calls
@@ -368,7 +385,7 @@ class PartialGraphs:
         failure: Optional[BaseException] = None
         try:
             entry = capture_call(node.name, node.forward, node.module, leaves, spec, be, self._pool, self._stream,
-                                 self.generators, be.device_type, self.tally)
+                                 self.generators, be.device_type, self.tally, self.grads)
         except Exception as exc:  # noqa: BLE001 - every capture failure makes the module eager, with its reason
             failure = exc
         finally:
@@ -383,6 +400,8 @@ class PartialGraphs:
             err = failure if isinstance(failure, CaptureError) else capture_error_from(root_cause(failure), what)
             return self._failed(node, err, what, args, kwargs)  # its children are tried in this eager call
         entry.on_failure = lambda exc: self._backward_failed(node, exc)
+        entry.alone = lambda: node.calls == 1  # a second call of the module in the step is a second contribution
+        entry.on_capture = self._changed
         node.cache.put(key, entry)
         if node.status is not _GRAPHED:
             node.status = _GRAPHED
@@ -420,6 +439,9 @@ class PartialGraphs:
         rep.graphed = [n.name for n in graphed]
         inside = {id(d) for n in graphed for d in self._descendants(n)} | {id(n) for n in graphed}
         rep.modules_graphed = sum(1 for n in self.nodes if n.per_step and id(n) in inside)
+        rep.grads_in_graphs = len({id(p) for n in graphed for k in n.cache.keys()
+                                   for _, p, _ in n.cache.peek(k).accumulated})
+        rep.grads_outside = {name: why for _, name, why in self.grads.outside.values()}
         islands: dict[str, str] = {}
         for node in self.nodes:
             if node.status is not _SPLIT:

@@ -4,9 +4,10 @@ Two cases, each bitwise equal to its eager reference in one process, with the co
 
 * an HF Llama whose decoder layer 1 is wrapped in a user's module that asks the host about the hidden states
   (``if x.abs().max() > 100``), ``scope="modules"``: the embedding, the other layers, the layer inside the check, the
-  final norm, the rotary embedding and the head are graphs; the check is the island, at its line. The optimizer side
-  (the user's own AdamW update) is one graph (the reference is the plain eager run with the graph-safe attention the
-  callback switches to);
+  final norm, the rotary embedding and the head are graphs; the check is the island, at its line. Every parameter's
+  gradient is added into ``.grad`` by its module's backward graph (no tied weight). The optimizer side (the user's
+  own AdamW update) is one graph (the reference is the plain eager run with the graph-safe attention the callback
+  switches to);
 * a loss function that calls ``.item()``, ``scope="auto"``: the whole step's sync check fails at that line, the partial
   tier takes over and graphs the whole model; the reference prepares the optimizer as the whole-step tier did.
 """
@@ -112,6 +113,7 @@ def test_llama_with_a_host_reading_module_trains_with_partial_graphs_bitwise():
     assert _line(HostCheck.forward, "HOST-READ") + ": a host synchronisation" in rep.islands["model.model.layers.1"]
     assert rep.replays >= (STEPS - 4) * len(rep.graphed) and rep.op_coverage is not None and rep.op_coverage > 0.5
     assert rep.optimizer.startswith("graphed") and rep.optimizer_replays >= STEPS - 5, rep.optimizer
+    assert rep.grads_in_graphs == len(params) and not rep.grads_outside, rep.grads_outside
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
