@@ -1541,6 +1541,13 @@ MUTANTS: list[Mutant] = [
            (PT + "test_a_backward_that_takes_input_gradients_only_leaves_grad_alone",),
            "the backward graphs add the parameters' gradients into .grad in a torch.autograd.grad pass too, which "
            "eager training leaves .grad alone in: the gradients the update reads are counted twice"),
+    Mutant("partial-verify-eager-half-through-the-graphs", "cpu", PARTIAL,
+           "        in_step, self._in_step = self._in_step, False\n",
+           "        in_step = self._in_step\n",
+           (PT + "test_lightning_partial_graphs_verify_steps_leave_training_as_an_unverified_run_and_eager",
+            PT + "test_lightning_partial_graphs_verify_steps_raise_parity_error_when_a_graph_differs_from_eager[module]"),
+           "verify_steps' eager half in the partial tier replays the modules' graphs instead of their own forwards: a "
+           "graph that differs from eager compares equal, and the calls it counts change what the graphed half does"),
 ]
 
 

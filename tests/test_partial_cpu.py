@@ -5,13 +5,15 @@ Discovery (the largest modules that capture around a module or a loss that reads
 for bit over several steps, ``.grad`` accumulated as eager does, by the backward graphs themselves where a parameter
 gets one gradient per backward, by autograd where it gets more: tied, read by the loss too, a module called twice,
 ``autograd.grad``), the guards (a new input shape, train/eval, a moved parameter, ``max_graphs``), the coverage and
-the islands' reasons in ``stats``, and the option's errors. The tape re-runs the operators it recorded, so a graphed
-step computes exactly what the eager one does: bitwise is expected.
+the islands' reasons in ``stats``, ``verify_steps`` (the tier's steps whose graphs all replay run once more with every
+graph set aside, undone, and compared), and the option's errors. The tape re-runs the operators it recorded, so a
+graphed step computes exactly what the eager one does: bitwise is expected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 import warnings
@@ -23,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nemo_cudagraph_plugin
-from nemo_cudagraph_plugin import CaptureConfig, CaptureError, CudaGraphCallback
+from nemo_cudagraph_plugin import CaptureConfig, CaptureError, CudaGraphCallback, ParityError
 from nemo_cudagraph_plugin.core.partial import PartialGraphs
 
 cpu = torch.device("cpu")
@@ -291,9 +293,10 @@ def test_a_broadcast_input_is_copied_into_dense_static_memory():
 # ----------------------------------------------------------------------------------------------------------------------
 # the optimizer side as one graph
 # ----------------------------------------------------------------------------------------------------------------------
-def train_sgd(graphed, steps=8, between=None, make_opt=None, clip=0.5, no_update=()):
+def train_sgd(graphed, steps=8, between=None, make_opt=None, clip=0.5, no_update=(), aside=()):
     """An SGD (momentum, weight decay) loop with clipping by norm before each update; with the tier and its optimizer
-    graph when graphed (the clipping handed to it as a framework's clipping would be)."""
+    graph when graphed (the clipping handed to it as a framework's clipping would be; in the steps ``aside``, inside
+    the optimizer graph's ``eager()``)."""
     torch.manual_seed(0)
     model = Net(guard=True, dropout=0.0)
     opt = (make_opt or (lambda ps: torch.optim.SGD(ps, lr=2.0**-5, momentum=0.9, weight_decay=0.01)))(
@@ -314,11 +317,12 @@ def train_sgd(graphed, steps=8, between=None, make_opt=None, clip=0.5, no_update
             opt.zero_grad(set_to_none=False)
             loss = (model(x) - y).pow(2).mean()
             loss.backward()
-            if clip is not None and not (og is not None and og.defer(torch.nn.utils.clip_grad_norm_,
-                                                                     list(model.parameters()), clip)):
-                torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
-            if i not in no_update:  # a step skipped after the clipping (a GradScaler that found an inf)
-                opt.step()
+            with og.eager() if og is not None and i in aside else contextlib.nullcontext():
+                if clip is not None and not (og is not None and og.defer(torch.nn.utils.clip_grad_norm_,
+                                                                         list(model.parameters()), clip)):
+                    torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+                if i not in no_update:  # a step skipped after the clipping (a GradScaler that found an inf)
+                    opt.step()
         losses.append(float(loss.detach()))
         params.append([p.detach().clone() for p in model.parameters()])
     return losses, params, tier, opt
@@ -368,6 +372,51 @@ def test_a_step_without_update_leaves_nothing_deferred_for_the_next():
         g = train_sgd(True, steps=10, no_update=(5,))
     assert_same_training(g, train_sgd(False, steps=10, no_update=(5,)))
     assert g[2].report.optimizer_captures == 1
+
+
+def test_the_optimizer_graph_set_aside_runs_the_update_eagerly_and_keeps_its_graph():
+    """``OptimizerGraph.eager`` (the eager half of ``verify_steps``): in steps past the capture, the clipping is not
+    deferred and the update runs eagerly (no replay, no capture, no event, the instance's step still the graph's);
+    the graph replays in the steps after, and training equals eager."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = train_sgd(True, steps=10, aside=(5, 6))
+    assert_same_training(g, train_sgd(False, steps=10))
+    rep, og, opt = g[2].report, g[2].optimizer, g[3]
+    # warm-up 0-1, the key's eager first step 2, the capture 3; 5 and 6 set aside; 4 and 7-9 replay
+    assert (rep.optimizer_captures, rep.optimizer_replays, og.events) == (1, 4, 2)
+    assert opt.__dict__["step"] is og._step
+
+
+def test_only_a_step_whose_graphs_all_replay_is_one_to_verify():
+    """What ``verify_steps`` asks of the tier: before a step, whether it may replay graphs only (past the warm-up, no
+    module left to try, a graph to replay); after it, whether it did. A step that captures any graph is not one: here
+    the forward (step 1, whose loss is not back-propagated), the backward (step 2), the gradient additions (step 3)."""
+    torch.manual_seed(0)
+    model = Net(guard=False, dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=2.0**-5, momentum=0.9)
+    tier = PartialGraphs(model, CaptureConfig(warmup_steps=1), cpu, backend=TapeBackend())
+    named = list(model.named_parameters())
+    tier.graph_optimizer(opt, named, lambda: [
+        *named, *((f"{n}.grad", p.grad) for n, p in named if p.grad is not None),
+        *((f"state {k} of {i}", v) for i, st in enumerate(opt.state.values()) for k, v in st.items()
+          if isinstance(v, torch.Tensor))])
+    before, after = [], []
+    for i, (x, y) in enumerate(batches(8)):
+        with tier.step():
+            before.append(tier.may_replay_only())
+            opt.zero_grad(set_to_none=False)
+            loss = (model(x) - y).pow(2).mean()
+            if i != 1:
+                loss.backward()
+            if i >= 4:
+                opt.step()
+            after.append(tier.replayed_only())
+    assert before == [False, False, True, True, True, True, True, True]
+    # ... and the optimizer side's first step of its key (4, eager) and its capture (5)
+    assert after == [False, False, False, False, False, False, True, True]
+    rep = tier.report
+    assert rep.graphed == [""] and rep.grads_in_graphs == len(named) and rep.optimizer_replays == 2
 
 
 def test_a_gradient_set_to_none_recaptures_the_optimizer_graph():
@@ -792,7 +841,8 @@ class _GuardedGPT:
         return GuardedGPT
 
 
-def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=None, ckpt_path=None, **trainer_kw):
+def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=None, ckpt_path=None, lengths=(32,),
+         **trainer_kw):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -809,7 +859,7 @@ def _fit(lt, module_cls, graphed, cb_kw=None, steps=10, callbacks=(), val_every=
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, max_epochs=2, val_check_interval=val_every, **trainer_kw)
     val = DataLoader(lt.Windows(2, seed=1), batch_size=2) if val_every else None
-    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps), batch_size=2), val_dataloaders=val,
+    trainer.fit(module, train_dataloaders=DataLoader(lt.Windows(steps, lengths), batch_size=2), val_dataloaders=val,
                 ckpt_path=ckpt_path)
     return lt.Run(trainer, rec, cb, module)
 
@@ -995,6 +1045,181 @@ def test_lightning_partial_graphs_follow_module_state_changes_every_step():
     e = _fit(lt, make, False, steps=14, callbacks=[Flip()])
     lt.assert_same(g, e)
     assert g.stats.recaptures > 0 and g.stats.partial.graphed == ["model"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verify_steps in the partial tier
+# ----------------------------------------------------------------------------------------------------------------------
+def _tier_record(run):
+    """What the tier found and counted (the islands' host times aside: they are timings)."""
+    rec = dataclasses.asdict(run.stats.partial)
+    rec.pop("island_host_ms")
+    return rec, dict(run.stats.eager_reasons), run.stats.replays
+
+
+class _OwnSteps:
+    """A Lightning callback counting the optimizer steps that run torch's own ``step`` (the instance's attribute given
+    back: no step of the plugin's in front of it)."""
+
+    @staticmethod
+    def make():
+        import lightning.pytorch as pl
+
+        class OwnSteps(pl.Callback):
+            def __init__(self):
+                self.count = 0
+
+            def on_train_start(self, trainer, pl_module):
+                def hook(opt, args, kwargs):
+                    self.count += "step" not in opt.__dict__
+
+                trainer.optimizers[0].register_step_pre_hook(hook)
+
+        return OwnSteps()
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_verify_steps_leave_training_as_an_unverified_run_and_eager():
+    """``verify_steps=3`` with partial graphs around an island (a host read): three steps whose graphs all replay are
+    also run eagerly (the modules' own forwards, torch's own AdamW step: the user's step, as for whole steps) from the
+    same state, undone, and compared; training, Lightning's counters and everything the tier found and counted are
+    those of the unverified run, and training equals eager bit for bit."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    own_v, own_g = _OwnSteps.make(), _OwnSteps.make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = _fit(lt, cls, True, {"scope": "modules", "verify_steps": 3}, steps=12, callbacks=[own_v])
+        g = _fit(lt, cls, True, {"scope": "modules"}, steps=12, callbacks=[own_g])
+    e = _fit(lt, cls, False, steps=12)
+    assert v.stats.verified_steps == 3 and g.stats.verified_steps == 0
+    lt.assert_same(v, g)
+    lt.assert_same(v, e)
+    assert v.progress == e.progress and v.metrics == e.metrics
+    assert _tier_record(v) == _tier_record(g)
+    rep = v.stats.partial
+    assert rep.graphed == ["model"] and list(rep.islands) == ["guard"] and rep.replays > 0
+    assert rep.optimizer_captures == 1 and rep.ops_outside is not None
+    # the eager halves ran torch's own step (the user's, not the captured update): the 3 verified steps' and that of
+    # the step before them, which then captured (the optimizer's graph) and is not counted
+    assert (own_v.count, own_g.count) == (4, 0)
+
+
+@pytest.mark.lightning_adapter
+@pytest.mark.parametrize("where", ["module", "optimizer"])
+def test_lightning_partial_graphs_verify_steps_raise_parity_error_when_a_graph_differs_from_eager(where):
+    """A Python value a graph froze at capture: a counter read in a graphed module's forward (the loss differs), or
+    in an optimizer step post-hook captured in the optimizer's graph (only one parameter differs). The eager half of
+    the first verified step runs the live value, and ``ParityError`` names the step and what differs."""
+    import lightning.pytorch as pl
+
+    lt = _lightning()
+    base = _GuardedGPT.make(lt)
+
+    class Drift(nn.Module):
+        """Scales by a counter its forward advances: a graph keeps the capture's value."""
+
+        def __init__(self):
+            super().__init__()
+            self._calls = 0
+
+        def forward(self, x):
+            self._calls += 1
+            return x * (1 + self._calls * 2.0**-8)
+
+    class Drifting(base):
+        def __init__(self):
+            super().__init__()
+            self.drift = Drift() if where == "module" else nn.Identity()
+
+        def forward(self, ids):
+            return self.guard(self.drift(self.model(ids)))
+
+    class BiasHook(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            bias, calls = pl_module.model.ln_f.bias, [0]
+
+            def hook(opt, args, kwargs):
+                calls[0] += 1
+                with torch.no_grad():
+                    bias.add_(calls[0] * 2.0**-12)
+
+            trainer.optimizers[0].register_step_post_hook(hook)
+
+    callbacks = [BiasHook()] if where == "optimizer" else []
+    # the module: the loss, the gradients, then the first parameter; the optimizer's hook: that parameter only
+    problem = (r":\n  loss: graph (.|\n)*\n  parameter 'model\.emb\.tok\.weight' after the step" if where == "module"
+               else r":\n  parameter 'model\.ln_f\.bias' after the step: max \|graph - eager\| = ")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(lt, Drifting, True, {"scope": "modules", "nan_guard": False}, steps=12, callbacks=callbacks)  # trains
+        with pytest.raises(ParityError, match=r"the step with partial graphs \(batch \d+ since fit start\) differs "
+                                              r"from the same step run eagerly \(verified step 1, rtol=0\.0\)"
+                                              + problem):
+            _fit(lt, Drifting, True, {"scope": "modules", "nan_guard": False, "verify_steps": 2}, steps=12,
+                 callbacks=callbacks)
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_auto_verifies_the_partial_tier_after_the_hand_over():
+    """``scope="auto"`` on a step that does not capture whole: the whole step's capture fails, the partial tier takes
+    over, and its first steps whose graphs all replay are the verified ones; training equals eager."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = _fit(lt, cls, True, {"scope": "auto", "verify_steps": 3}, steps=12)
+        g = _fit(lt, cls, True, {"scope": "auto"}, steps=12)
+    e = _fit(lt, cls, False, steps=12)
+    assert v.stats.verified_steps == 3 and v.stats.replays == 0 and v.stats.captures == 0
+    assert v.stats.partial is not None and v.stats.partial.replays > 0 and v.cb.eager_reason is None
+    lt.assert_same(v, g)
+    lt.assert_same(v, e)
+    assert _tier_record(v) == _tier_record(g)
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_auto_verifies_the_partial_tier_anew_after_verified_whole_steps():
+    """A late hand-over: whole steps capture, replay and are verified (``verify_steps=2``) until shorter sequences,
+    for which the model reads the host, do not capture; the partial tier's graphs are new, and its first two steps
+    whose graphs all replay are verified too. Training equals eager."""
+    lt = _lightning()
+    guarded = _GuardedGPT.make(lt)
+
+    class ShortGuarded(guarded):
+        def forward(self, ids):
+            logits = self.model(ids)
+            return logits if ids.shape[1] == 32 else self.guard(logits)
+
+    kw = {"steps": 16, "lengths": (32,) * 6 + (16,) * 10}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = _fit(lt, ShortGuarded, True, {"scope": "auto", "verify_steps": 2}, **kw)
+    e = _fit(lt, ShortGuarded, False, **kw)
+    lt.assert_same(v, e)
+    # whole steps: warm-up 0-2, capture 3, replays 4-5 (verified); the partial tier from step 7 on
+    assert (v.stats.captures, v.stats.replays, v.stats.verified_steps) == (1, 2, 4)
+    assert v.stats.partial.graphed == ["model"] and v.stats.partial.replays > 0
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_verify_steps_with_gradient_accumulation():
+    """``accumulate_grad_batches=2``: verified micro-batches that only accumulate (the eager half adds into the
+    window's gradients, which are put back: the same tensors, their values) and ones that step; training equals the
+    unverified run and eager."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+    kw = {"steps": 8, "accumulate_grad_batches": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = _fit(lt, cls, True, {"scope": "modules", "nan_guard": False, "verify_steps": 4}, **kw)
+        g = _fit(lt, cls, True, {"scope": "modules", "nan_guard": False}, **kw)
+    e = _fit(lt, cls, False, **kw)
+    assert v.stats.verified_steps == 4
+    lt.assert_same(v, g)
+    lt.assert_same(v, e)
+    assert _tier_record(v) == _tier_record(g)
+    assert v.stats.partial.grads_in_graphs == g.stats.partial.grads_in_graphs > 0
 
 
 @pytest.mark.lightning_adapter

@@ -49,7 +49,8 @@ class CaptureConfig:
         verify_steps: the first N graphed steps are also run eagerly from the same state and
             compared (loss, gradient norm, parameters); a mismatch raises :class:`ParityError`.
             Verification leaves training as an unverified run would (every state the step
-            writes is restored before the graph's step runs).
+            writes is restored before the graph's step runs). Partial graphs (``scope``): the
+            first N steps of that tier whose graphs all replay, run eagerly with its graphs set aside.
         verify_rtol: relative tolerance of that comparison (0.0 = bitwise).
         sync_check: run the last warm-up step with ``torch.cuda.set_sync_debug_mode("error")`` so a
             host sync in the step is reported at your line before capture is attempted.

@@ -49,7 +49,9 @@ repeats what it needs after each replay (``after_replay``). Hazards covered here
 * random numbers: the default generator is advanced per replay by the backend; extra generators
   are registered through :class:`~.rng.GeneratorRegistry`;
 * ``verify_steps``: :mod:`.parity` runs the step eagerly, restores everything it wrote, then replays
-  and compares, so verification leaves training exactly as an unverified run.
+  and compares, so verification leaves training exactly as an unverified run. After :meth:`CaptureEngine.hand_over`
+  to the partial tier, the first steps whose graphs all replay are verified the same way
+  (:class:`PartialTier`: the eager half with every graph of the tier set aside).
 
 The engine asks its adapter (:class:`~.adapter.StepAdapter`) for what it needs when it needs it; it reads the
 adapter's guards once.
@@ -63,7 +65,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -79,9 +81,26 @@ from .graph_cache import GraphCache
 from .parity import StepParity
 from .rng import GeneratorRegistry
 
-__all__ = ["CaptureEngine", "GraphEntry"]
+__all__ = ["CaptureEngine", "GraphEntry", "PartialTier"]
 
 StepFn = Callable[[Any], Any]
+
+
+class PartialTier(Protocol):
+    """What the engine asks of the partial tier it hands its steps over to (:class:`~.partial.PartialGraphs`), for
+    ``verify_steps``; asked inside the tier's step."""
+
+    def may_replay_only(self) -> bool:
+        """Whether the step running now may be one whose graphs all replay (cheap; checked before the step)."""
+        ...
+
+    def replayed_only(self) -> bool:
+        """Whether the step so far replayed graphs and did nothing else of the tier's: no capture (checked after)."""
+        ...
+
+    def eager(self) -> contextlib.AbstractContextManager:
+        """Every graph of the tier set aside inside the block, with no effect on what the tier found or counts."""
+        ...
 
 _call = operator.call
 
@@ -182,6 +201,7 @@ class CaptureEngine:
         self._warmup_left = config.warmup_steps
         self._seen: set[Hashable] = set()
         self._verify_left = config.verify_steps
+        self._tier: Optional[PartialTier] = None
         #: told, instead of ``on_capture_error``, that a capture failed (``scope="auto"``): the caller graphs parts of
         #: the later steps (the partial tier) and calls :meth:`hand_over`; this step then runs eagerly
         self.fallback: Optional[Callable[[CaptureError], None]] = None
@@ -231,10 +251,11 @@ class CaptureEngine:
             self.revalidate()
             entry = self.cache.get(full_key)
         if entry is None:
-            return self._miss(full_key, leaves, spec, batch, fn, fresh_grads)
+            return self._miss(full_key, leaves, spec, batch, fn, quiet_fn, fresh_grads)
         if self._verify_left > 0:
             self._verify_left -= 1
-            out = self.parity.replay(entry, leaves, batch, quiet_fn or fn, self.named_params)
+            out = self.parity.replay(entry, leaves, batch, quiet_fn or fn, self.named_params,
+                                     what=f"the graphed step (batch {self._batches() + 1} since fit start)")
         else:
             out = entry.replay(leaves)
             self.stats.replays += 1
@@ -288,13 +309,21 @@ class CaptureEngine:
         self.cache.clear()
         self.stats.graphs = 0
 
-    def hand_over(self, reason: str) -> None:
+    def hand_over(self, reason: str, tier: Optional[PartialTier] = None) -> None:
         """Capture no whole step for the rest of training, without a warning: the caller graphs parts of each step
-        itself (the partial tier) around the eager steps this engine runs (counted as ``"partial graphs"``)."""
+        itself (the partial tier) around the eager steps this engine runs (counted as ``"partial graphs"``).
+
+        With ``tier``, ``verify_steps`` counts anew for the tier's graphs: each of its first ``verify_steps`` steps
+        whose graphs all replay runs eagerly first, with the tier's graphs set aside, from the same state, and is
+        compared as a whole-step replay is (:meth:`~.parity.StepParity.verify`). A step that turns out to capture
+        something (or to run a graphed module eagerly) has its eager half undone and is neither compared nor counted.
+        """
         self.disabled_reason = reason
         self._eager_label = "partial graphs"
         self.cache.clear()
         self.stats.graphs = 0
+        self._tier = tier
+        self._verify_left = self.config.verify_steps if tier is not None else 0
 
     def note_peak_memory(self) -> None:
         """Record the device's peak allocated memory so far in ``stats.peak_bytes`` (after a capture; at the end of
@@ -316,10 +345,14 @@ class CaptureEngine:
             self._stream = self.backend.side_stream(self.device)
         return self._stream
 
-    def _miss(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, fn: StepFn, fresh_grads: bool) -> Any:
+    def _miss(self, key: Hashable, leaves: list[Tensor], spec: Hashable, batch: Any, fn: StepFn,
+              quiet_fn: Optional[StepFn], fresh_grads: bool) -> Any:
         cfg = self.config
         if self.disabled_reason is not None:
             self.stats.count_eager(self._eager_label)
+            tier = self._tier
+            if tier is not None and self._verify_left > 0 and tier.may_replay_only():
+                return self._verify_tier(tier, batch, fn, quiet_fn or fn)
             return fn(batch)
         if self._warmup_left > 0:
             self._warmup_left -= 1
@@ -347,6 +380,24 @@ class CaptureEngine:
         if self.addresses.dirty:
             self.revalidate()
         return self._capture(key, leaves, spec, batch, fn, fresh_grads)
+
+    def _verify_tier(self, tier: PartialTier, batch: Any, fn: StepFn, quiet_fn: StepFn) -> Any:
+        """``verify_steps`` for a step of the partial tier: eager with its graphs set aside, undone, then with them."""
+
+        def graphed() -> tuple[Any, Optional[tuple[str, ...]]]:
+            out = fn(batch)
+            if not tier.replayed_only():
+                return out, None  # it captured (or ran a graphed module eagerly): not a verified step
+            self._verify_left -= 1
+            return out, ()
+
+        return self.parity.verify(batch, quiet_fn, graphed, self.named_params, bypass=tier.eager,
+                                  what=f"the step with partial graphs (batch {self._batches()} since fit start)")
+
+    def _batches(self) -> int:
+        """The steps this engine has run (each is counted once: warm-up, capture, replay or eager)."""
+        s = self.stats
+        return s.warmup_steps + s.captures + s.replays + s.eager_steps
 
     def _warmup(self, fn: StepFn, batch: Any, sync_check: bool, fresh_grads: bool) -> Any:
         """Eager step on the side stream; optionally with host syncs turned into errors."""

@@ -253,7 +253,8 @@ class GraphedCall:
         keep: their storages: the memory the graphs address stays valid while this object lives.
         on_failure: called with the exception of a backward capture that failed (the module is then not graphed).
         alone: whether this call is its module's only call in the step (set by the owner; read in the backward).
-        on_capture: called after the accumulation graph was captured (the owner's bookkeeping).
+        on_capture: called after the backward graph or the accumulation graph was captured (the owner's
+            bookkeeping: a step that captures is not one whose graphs all replayed).
         accumulated: ``(name, parameter, .grad)`` of the parameters whose gradients the accumulation graph adds.
     """
 
@@ -330,6 +331,7 @@ class GraphedCall:
                 self.on_failure(exc)
                 return self._slots(self._grads())
             self.bwd = graph
+            self.on_capture()
             # Kept here, so autograd's accumulation sees tensors someone else holds and copies them (never adopts
             # the graph's memory as a .grad, which the next replay would overwrite).
             self.grad_ins = tuple(None if g is None else g.detach() for g in self._slots(got))

@@ -2,8 +2,11 @@
 
 The eager half runs first under :class:`WriteRecorder`, which snapshots every pre-existing tensor before its first
 write (parameters, gradients, optimizer state, module buffers such as BatchNorm statistics, NaN-guard accumulators);
-those, the adapter's ``mutable_tensors``, every generator and the host counters are restored before the graph's step,
-whose effects are the ones that stay. Training is then exactly that of an unverified run.
+those, the adapter's ``mutable_tensors``, every generator, the host counters and the gradients' tensor objects are
+restored before the graph's step, whose effects are the ones that stay. Training is then exactly that of an unverified
+run. The graphed half is a whole-step graph's replay (:meth:`StepParity.replay`) or, for the partial tier, the step
+with its module and optimizer graphs, whose eager half runs with every graph of the tier set aside
+(:meth:`StepParity.verify`, ``bypass``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ __all__ = ["StepParity", "WriteRecorder"]
 
 
 class StepParity:
-    """Runs a step eagerly, undoes everything it wrote, then replays the graph and compares (``verify_steps``).
+    """Runs a step eagerly, undoes everything it wrote, then runs it with its graphs and compares (``verify_steps``).
 
     Args:
         backend, device: where the default generator's state lives.
@@ -47,9 +50,49 @@ class StepParity:
         self.adapter, self.stats, self.rtol = adapter, stats, rtol
 
     def replay(self, entry: GraphEntry, leaves: list[Tensor], batch: Any, quiet_fn: Callable[[Any], Any],
-               named_params: Sequence[tuple[str, Tensor]]) -> Any:
-        """The eager step on ``batch`` (``quiet_fn``: no host-visible side effects), undone; then ``entry``'s replay on
-        ``leaves``, whose outputs are returned. Raises :class:`ParityError` when they differ."""
+               named_params: Sequence[tuple[str, Tensor]], what: str = "the graphed step") -> Any:
+        """A whole-step graph verified (:meth:`verify`): the eager step on ``batch``, undone; then ``entry``'s replay
+        on ``leaves``, whose outputs are returned."""
+
+        def graphed() -> tuple[Any, tuple[str, ...]]:
+            out = entry.replay(leaves)
+            self.stats.replays += 1
+            if entry.owns_grads and any(
+                p.grad is not None and p.grad.data_ptr() != entry.state.get(n + ".grad") for n, p in named_params
+            ):
+                # The parameters' .grad is another graph's memory now: this graph's gradients are not visible.
+                return out, ("grad_norm",)
+            return out, ()
+
+        return self.verify(batch, quiet_fn, graphed, named_params, what=what)
+
+    def verify(self, batch: Any, quiet_fn: Callable[[Any], Any],
+               graphed: Callable[[], tuple[Any, Optional[Sequence[str]]]],
+               named_params: Sequence[tuple[str, Tensor]],
+               bypass: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+               what: str = "the graphed step") -> Any:
+        """The eager step on ``batch`` (``quiet_fn``: no host-visible side effects), undone; then ``graphed()``, the
+        step with its graphs, whose outputs are returned.
+
+        ``graphed`` returns ``(outputs, metrics not compared)``, or ``(outputs, None)`` where the step turned out not
+        to be one to verify: nothing is compared and it is not counted (the eager half was undone all the same).
+        ``bypass`` (optional): a context in which everything but ``graphed()`` runs (the eager half, its undoing, the
+        comparison): the graphs set aside, and the work not counted as the step's. Raises :class:`ParityError` when
+        the two differ (``what``: the step and its graphs, for the message)."""
+        aside = bypass if bypass is not None else contextlib.nullcontext
+        with aside():
+            eager_vals, post_eager, post_user = self._eager(batch, quiet_fn, named_params)
+        out_graph, unseen = graphed()
+        if unseen is None:
+            return out_graph
+        with aside():
+            self._compare(out_graph, eager_vals, post_eager, post_user, unseen, named_params, what)
+        return out_graph
+
+    def _eager(self, batch: Any, quiet_fn: Callable[[Any], Any], named_params: Sequence[tuple[str, Tensor]]
+               ) -> tuple[dict[str, float], list[Tensor], Optional[list[Tensor]]]:
+        """The eager half: its metrics and parameters after it (and after the user's own optimizer settings' run, where
+        one is measured), everything it wrote undone."""
         be = self.backend
         rng = be.rng_state(self.device)
         gens = self.generators.states()
@@ -82,14 +125,15 @@ class StepParity:
         users = getattr(self.adapter, "users_step", None) if self.stats.optimizer_math_gap is None else None
         users_context = users() if users is not None else None
         post_user = eager(users_context)[1] if users_context is not None else None
-        out_graph = entry.replay(leaves)
-        self.stats.replays += 1
+        return eager_vals, post_eager, post_user
+
+    def _compare(self, out_graph: Any, eager_vals: dict[str, float], post_eager: list[Tensor],
+                 post_user: Optional[list[Tensor]], unseen: Sequence[str], named_params: Sequence[tuple[str, Tensor]],
+                 what: str) -> None:
+        """The graphed half against the eager one (metrics but ``unseen``, every parameter); one verified step."""
         graph_vals = _metrics(out_graph, named_params)
-        if entry.owns_grads and any(
-            p.grad is not None and p.grad.data_ptr() != entry.state.get(n + ".grad") for n, p in named_params
-        ):
-            # The parameters' .grad is another graph's memory now: this graph's gradients are not visible.
-            eager_vals.pop("grad_norm", None)
+        for k in unseen:
+            eager_vals.pop(k, None)
         if post_user is not None:
             self.stats.optimizer_math_gap = _gap([p.detach() for _, p in named_params], post_user)
         rtol = self.rtol
@@ -106,12 +150,11 @@ class StepParity:
         self.stats.verified_steps += 1
         if problems:
             raise ParityError(
-                "verify_steps: the graphed step differs from the same step run eagerly (rtol="
-                f"{rtol}):\n  " + "\n  ".join(problems) + "\nThe step does something a replay does not repeat "
-                "(Python-side state, a host value frozen at capture, an unregistered random generator). "
+                f"verify_steps: {what} differs from the same step run eagerly (verified step "
+                f"{self.stats.verified_steps}, rtol={rtol}):\n  " + "\n  ".join(problems) + "\nThe step does something a replay does not "
+                "repeat (Python-side state, a host value frozen at capture, an unregistered random generator). "
                 "Set on_capture_error='eager' or enabled=False for this model, and please report it."
             )
-        return out_graph
 
 
 class WriteRecorder(TorchDispatchMode):

@@ -33,6 +33,12 @@ gradient in the backward, the module called once in the step, no hook on the par
 it is, as this tier's owner keeps it by zeroing in place); elsewhere autograd adds them, one kernel per parameter
 outside the graphs.
 
+**Verification** (``verify_steps``, driven by the engine the whole step handed over to): a step whose graphs all
+replay may also run once with every graph set aside (:meth:`PartialGraphs.eager`: the modules' own forwards, the
+optimizer's own step), from the same state, which the engine then restores; that run changes nothing the tier found
+or counts. :meth:`PartialGraphs.may_replay_only` says before a step whether it may be such a step,
+:meth:`PartialGraphs.replayed_only` after it whether it was.
+
 **Coverage** (:class:`~.config.PartialStats`): the graphed modules, the islands with their reasons, the share of
 the step's modules inside graphs, the share of its operators (as the dispatcher sees them: one eager step against
 one step whose graphs all replayed), and how many parameters' gradients are accumulated inside graphs (those left to
@@ -137,12 +143,14 @@ class PartialGraphs:
         self.watch = ModuleStateWatch(root)
         self.nodes: list[_Node] = []
         self._warmup_left = max(1, config.warmup_steps if warmup_steps is None else warmup_steps)
-        self._in_step = False
+        self._in_step = False  # a step of the tier is running (and not inside eager(): graphs set aside)
         self._capturing = 0
         self._pool = CapturePool(self.backend, self._graphs_live)
         self._stream: Any = None
         self._events = 0  # captures, failures and eager calls of graphed modules this step
-        self._counter: Optional[_OpCounter] = None
+        self._counter: Optional[_OpCounter] = None  # this step's operator counter (None: not counted)
+        self._opt_events = 0  # the optimizer graph's events when this step began
+        self._replays_at = 0  # the tier's replays (modules' and optimizer's) when this step began
         self._measure: Optional[str] = None
         self._timing = False  # this step's calls are timed (the islands' host time)
         self._inner_s: list[float] = []  # per timed call being run: the time of the calls inside it so far
@@ -235,6 +243,9 @@ class PartialGraphs:
         if self.optimizer is not None:
             self.optimizer.begin_step()
             opt_events = self.optimizer.events
+        self._opt_events = opt_events
+        self._replays_at = self.tally.replays + self.report.optimizer_replays
+        self._counter = counter
         self._in_step = True
         try:
             with contextlib.ExitStack() as stack:
@@ -247,6 +258,7 @@ class PartialGraphs:
                 yield
         finally:
             self._in_step = False
+            self._counter = None
         if self.optimizer is not None:
             self._events += self.optimizer.events - opt_events
         if warm:
@@ -266,6 +278,41 @@ class PartialGraphs:
             self._measure = "outside"  # measured on the next step whose graphs all replay
             self._summarize()
         self.watch.rebase()  # what the step's own Python set is the state its graphs were captured with
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Inside a step of the tier, every graph set aside for the block (``verify_steps``' eager half): each module
+        runs its own ``forward``, neither counted, timed nor captured (no signature noted, no replay); the optimizer's
+        step runs eagerly with the framework's clipping not deferred (:meth:`OptimizerGraph.eager
+        <.partial_optimizer.OptimizerGraph.eager>`); the operators the block dispatches are not counted. Nothing the
+        tier found or counts changes; outside the block nothing is checked (the modules' calls test the flag they test
+        anyway)."""
+        in_step, self._in_step = self._in_step, False
+        counter = self._counter
+        counted = counter.count if counter is not None else 0
+        try:
+            with self.optimizer.eager() if self.optimizer is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._in_step = in_step
+            if counter is not None:
+                counter.count = counted
+
+    def may_replay_only(self) -> bool:
+        """Whether the step running now may replay graphs and nothing else (``verify_steps``; checked before its
+        calls, and by :meth:`replayed_only` after them): past the warm-up, no module left to try, a graph to replay."""
+        return (self._in_step and self._warmup_left == 0 and self._graphs_live()
+                and not any(n.status is _WATCH or n.status is _CANDIDATE for n in self.nodes))
+
+    def replayed_only(self) -> bool:
+        """Whether the step running now has so far replayed graphs of the tier and done nothing else of the tier's:
+        no capture (a module's forward, backward or gradient additions, the optimizer side), no failed capture, no
+        eager call of a graphed module, no eager first step of an optimizer key, no parameter leaving in-graph
+        accumulation: a step whose graphs all replayed, as the one whose operators are counted."""
+        opt = self.optimizer
+        opt_events = opt.events - self._opt_events if opt is not None else 0
+        replays = self.tally.replays + self.report.optimizer_replays
+        return self._events == 0 and opt_events == 0 and replays > self._replays_at
 
     def _assign(self, node: _Node) -> None:
         """Make ``node`` a candidate if the step calls it exactly once, else pass the question to its children."""
@@ -365,8 +412,8 @@ class PartialGraphs:
         return self._capture(node, key, leaves, spec, args, kwargs)
 
     def _changed(self) -> None:
-        """A graph that adds parameters' gradients into ``.grad`` was captured, or a parameter left it: this step is
-        not the one whose operators are counted."""
+        """A backward graph or a graph that adds parameters' gradients into ``.grad`` was captured, or a parameter left
+        in-graph accumulation: this step is not one whose graphs all replayed (operators counted, ``verify_steps``)."""
         self._events += 1
 
     def _eager_call(self, reason: str) -> None:

@@ -18,6 +18,9 @@ gradient set to ``None`` or replaced is a new capture, with one warning); with :
 state loaded, a re-prepared optimizer) every address the graph reads is compared. Hyperparameters are the owner's
 to guard (:meth:`OptimizerGraph.invalidate`).
 
+**Set aside** inside :meth:`OptimizerGraph.eager` (``verify_steps``' eager half): nothing is deferred and the update
+this object took over runs eagerly; no key, graph or count of this object changes.
+
 **Not captured:** the closure; a step called with keyword arguments (a ``GradScaler`` handing its scale to a fused
 optimizer) or outside a step of the tier, which run eagerly as written. A capture that fails (an optimizer that
 reads the host) leaves the optimizer eager for the rest of training, with its reason in ``stats.partial``.
@@ -25,12 +28,13 @@ reads the host) leaves the optimizer eager for the rest of training, with its re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -91,6 +95,7 @@ class OptimizerGraph:
         self.eager_reason: Optional[str] = None
         #: steps of the tier whose optimizer side did not replay (a key's eager first step, a capture)
         self.events = 0
+        self._eager = False  # inside eager(): nothing is deferred
         self._own: Any = _ABSENT
         self._inner: Callable[..., Any] = optimizer.step
         self._step = functools.partial(OptimizerGraph._run_step, self)
@@ -101,7 +106,7 @@ class OptimizerGraph:
     # the optimizer's step (hot path: a key, the gradients' identity, a replay)
     # ------------------------------------------------------------------------------------------
     def _run_step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        if kwargs or not self._active() or self.eager_reason is not None:
+        if kwargs or self._eager or not self._active() or self.eager_reason is not None:
             self._deferred_now()
             return self._inner(closure, **kwargs) if closure is not None else self._inner(**kwargs)
         loss = None
@@ -140,7 +145,7 @@ class OptimizerGraph:
         """Run ``fn(*args, **kwargs)`` as the first part of this step's optimizer graph instead of now (the
         framework's clipping, called last before the update). Returns ``False`` where nothing is deferred (the
         caller runs ``fn`` itself): outside a graphed step."""
-        if not self._active() or self.eager_reason is not None:
+        if self._eager or not self._active() or self.eager_reason is not None:
             return False
         self._deferred.append((fn, args, kwargs))
         return True
@@ -226,6 +231,23 @@ class OptimizerGraph:
         self._inner = opt.step
         opt.step = self._step
         self.graphs.clear()
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Inside the block the update this object took over runs eagerly and nothing is deferred (the framework clips
+        itself); the graphs, their keys and the counts untouched. An owner's reference step may replace the instance's
+        ``step`` inside the block (:meth:`UserStep.torchs_step <.user_step.UserStep.torchs_step>` gives torch's own
+        back, then installs its update anew): this object's ``step`` is the instance's again after it, so the next
+        step does not take over a new update (:meth:`follow`, which would drop the graphs)."""
+        opt = self.optimizer
+        ours = opt.__dict__.get("step") is self._step
+        self._eager = True
+        try:
+            yield
+        finally:
+            self._eager = False
+            if ours:
+                opt.step = self._step
 
     def invalidate(self) -> None:
         """Drop the graphs (a hyperparameter they bake in changed): the next step of each key captures again."""

@@ -177,8 +177,9 @@ class LightningStepAdapter:
             self.engine.fallback = self.start_partial
 
     def start_partial(self, err: Optional[CaptureError]) -> None:
-        """From the next step on, graph the submodules that capture around eager steps (the engine hands over):
-        ``scope="modules"`` from the start (``err`` None), ``"auto"`` when the whole step's capture failed."""
+        """From the next step on, graph the submodules that capture around eager steps (the engine hands over, and
+        verifies the tier's first steps whose graphs all replay where ``verify_steps`` asks): ``scope="modules"`` from
+        the start (``err`` None), ``"auto"`` when the whole step's capture failed."""
         if err is None:
             reason = "scope='modules'"
             rank_zero_info(f"{self.owner}(scope='modules'): the forward and backward of the submodules that capture "
@@ -189,18 +190,16 @@ class LightningStepAdapter:
             warnings.warn(f"{self.owner}(scope='auto'): {reason}. Training with partial graphs from the next step: "
                           "the submodules that capture are graphed, the rest runs eagerly (stats.partial).",
                           stacklevel=2)
-        self.engine.hand_over(reason)
         # fast_adam's scalar update is a context of whole-step captures; here the prepared optimizer's own is graphed.
         self.fast_adam = None
         self._grads = []
-        if self.config.verify_steps:
-            warnings.warn(f"{self.owner}(verify_steps={self.config.verify_steps}): partial graphs are not verified "
-                          "against eager steps yet; nothing is compared", stacklevel=2)
         # After the whole-step tier's warm-up (scope="auto") one eager step is enough to find the modules.
         self.partial = PartialGraphs(self.pl_module, self.config, self.pl_module.device, backend=self.engine.backend,
                                      generators=self.generators, stats=self.stats,
                                      warmup_steps=None if err is None else 1)
         self._undo.callback(self.partial.close)
+        # verify_steps: the tier's first steps whose graphs all replay are also run eagerly, with its graphs set aside
+        self.engine.hand_over(reason, self.partial)
         named = self.engine.named_params
         names = {id(p): n for n, p in self.pl_module.named_parameters()}
         self.partial.graph_optimizer(

@@ -135,3 +135,15 @@ def test_loss_calling_item_scope_auto_graphs_the_whole_model_bitwise():
     assert SEEN == eager_seen  # the .item() outside the graphs runs every step
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_verify_steps_compares_partial_steps_with_eager_steps_and_leaves_no_trace():
+    # the tier's first graphed steps run once more eagerly, undone, then with the graphs, compared bitwise
+    pl.seed_everything(0, verbose=False)
+    eager_losses, eager_params = _fit(HFCausalLM(llama(**SIZE), prepare=_guard_layer_graph_safe), [])
+    pl.seed_everything(0, verbose=False)
+    cb = CudaGraphCallback(scope="modules", verify_steps=3)
+    losses, params = _fit(HFCausalLM(llama(**SIZE), prepare=_guard_layer), [cb])
+    assert cb.stats.verified_steps == 3 and cb.stats.partial.replays > 0, cb.stats.summary()
+    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
