@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The TransformerEngine measurements and tests on a GPU host (TE installed by .te/final/install_on_host.sh when it
 # does not import). What it runs that the harness cannot: TransformerEngine FP8 models and pipeline stages.
-#   bash benchmarks/gpu_te_session.sh [PART ...]     (default: all parts, in this order)
+#   bash benchmarks/gpu_te_session.sh [PART ...]     (default: all parts but fp8_scale, in this order)
 # Parts: te_install multi_transpose fp8_tests fp8_overhead pp_bench pp_tests step_small capture_tests recipe_fp8
+#        fp8_scale (one recipe per call: FP8_SCALE_RECIPES=delayed|current|block, resumed from $OUT/fp8_scale until
+#        complete; python -m benchmarks.fp8_scale --plan says what is left)
 # Every part has its own time limit and log; a short table is printed last. Results go to $OUT (or
 # out/te_session). te_install is skipped when TE already imports.
 set -u
@@ -38,6 +40,8 @@ for p in "${parts[@]}"; do
     pp_tests) part pp_tests 60 python3 -m pytest tests/gpu/test_pipeline_te.py -q -s -rs -p no:cacheprovider ;;
     step_small) part step_small 120 python3 -m benchmarks.harness --workloads gpt-small --variants eager ours --rounds 1 --out "$OUT/bench" ;;
     capture_tests) part capture_tests 60 python3 -m pytest tests/gpu/test_capture_gpu.py tests/gpu/test_strategy_gpu.py -q -p no:cacheprovider -x ;;
+    fp8_scale) part fp8_scale 570 python3 -m benchmarks.fp8_scale --recipes ${FP8_SCALE_RECIPES:-delayed} \
+        --rounds "${FP8_SCALE_ROUNDS:-2}" --budget-s 520 --out "$OUT/fp8_scale" --resume "$OUT/fp8_scale/fp8-scale.json" ;;
     recipe_fp8) part recipe_fp8 45 python3 -m recipes.gpt_pretrain --preset tiny --fp8 --compare --steps 120 --log-every 0 --out "$OUT/recipe_fp8" ;;
     *) echo "unknown part $p" >&2; exit 2 ;;
     esac

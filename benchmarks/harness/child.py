@@ -320,8 +320,16 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> dict:
     return {"matmul_n": n, "matmul_tflops": 2 * n**3 * reps / s / 1e12}
 
 
-def child_main(job_path: Path, record_path: Path) -> int:
-    """Run the job in ``job_path`` and write its record to ``record_path``."""
+def run_job(job: dict) -> dict:
+    """The harness's jobs: the matmul ceiling, or one variant of one workload."""
+    return matmul_ceiling() if job["kind"] == "ceiling" else run_variant(job)
+
+
+def child_main(job_path: Path, record_path: Path, run: Optional[Any] = None) -> int:
+    """Run the job in ``job_path`` and write its record to ``record_path``.
+
+    ``run``: ``run(job) -> dict`` of the measured fields (default :func:`run_job`); another benchmark's child passes
+    its own and keeps the record's conventions (``ok``, ``error``, ``env``, ``child_s``; a failure is a result)."""
     job = json.loads(Path(job_path).read_text())
     if job.get("deterministic") and job["device"] == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
@@ -333,7 +341,7 @@ def child_main(job_path: Path, record_path: Path) -> int:
         if cuda and not torch.cuda.is_available():
             raise RuntimeError("no CUDA device in this process")
         rec["env"] = env_info(cuda)
-        rec.update(matmul_ceiling() if job["kind"] == "ceiling" else run_variant(job))
+        rec.update((run or run_job)(job))
         rec["ok"] = True
     except Exception as exc:  # noqa: BLE001 - a failure is a result of the table
         traceback.print_exc()

@@ -111,11 +111,13 @@ def plan_text(plan: list[dict], done: set[str], budget_s: float, lanes: int) -> 
 
 
 def run_child(job: dict, timeout_s: float, log: Callable[[str], None]) -> dict:
-    """One job in a fresh process (``python -m benchmarks.harness --child``); its record (or why there is none)."""
+    """One job in a fresh process (``python -m benchmarks.harness --child``, or the job's ``child_module``: another
+    benchmark with the same ``--child JOB --record RECORD`` entry); its record (or why there is none)."""
     with tempfile.TemporaryDirectory(prefix="harness_") as tmp:
         jp, rp = Path(tmp) / "job.json", Path(tmp) / "record.json"
         jp.write_text(json.dumps(job))
-        cmd = [sys.executable, "-m", "benchmarks.harness", "--child", str(jp), "--record", str(rp)]
+        module = job.get("child_module", "benchmarks.harness")
+        cmd = [sys.executable, "-m", module, "--child", str(jp), "--record", str(rp)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "8")
         if job.get("lanes", 1) > 1:
@@ -186,9 +188,14 @@ def execute(plan: list[dict], done: set[str], budget_s: float, child_timeout_s: 
             th.join()
 
 
-def load_resume(path: Optional[Path], settings: dict, gpu: Optional[str] = None) -> tuple[list[dict], set[str]]:
-    """The records of an earlier run with the same settings and their keys; runs that did not succeed (skipped for
-    the budget, killed at the child timeout, or failed) are run again.
+#: the settings a resumed file must share with this run
+RESUME_KEYS = ("precision", "optim", "clip", "seed", "deterministic", "device", "dry_run")
+
+
+def load_resume(path: Optional[Path], settings: dict, gpu: Optional[str] = None,
+                keys: tuple[str, ...] = RESUME_KEYS) -> tuple[list[dict], set[str]]:
+    """The records of an earlier run with the same settings (``keys``) and their keys; runs that did not succeed
+    (skipped for the budget, killed at the child timeout, or failed) are run again.
 
     ``gpu``: this machine's GPU name; runs timed on another GPU are refused, since one table compares its variants
     as ratios and an H100's milliseconds beside an H200's would read as a speed-up or a loss of either.
@@ -197,8 +204,7 @@ def load_resume(path: Optional[Path], settings: dict, gpu: Optional[str] = None)
         return [], set()
     data = json.loads(path.read_text())
     old = data.get("settings", {})
-    diff = [k for k in ("precision", "optim", "clip", "seed", "deterministic", "device", "dry_run")
-            if old.get(k) != settings.get(k)]
+    diff = [k for k in keys if old.get(k) != settings.get(k)]
     if diff:
         raise SystemExit(f"--resume {path}: its runs used other settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)})")
     keep = [r for r in data.get("runs", []) if r.get("ok")]
