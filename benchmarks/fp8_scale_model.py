@@ -17,7 +17,6 @@ same shape: it checks the plumbing, not TE.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import sys
@@ -414,11 +413,7 @@ def run_variant(job: dict) -> dict:
             callbacks.append(graphs)
         else:
             out["notes"].append("dry run: TE's graphed layers need TE and CUDA; eager")
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    pl.seed_everything(job["seed"], verbose=False)
+    hchild.fresh_start(job["seed"], cuda)
     t = time.perf_counter()
     module = ScaleLM(w, fp8=v.fp8, recipe=recipe, te=te, lr=job["lr"], mark_stale=v.writer == "te-flags",
                      device=device)

@@ -139,6 +139,18 @@ def kernel_profile(prof: Any, steps: int, cuda: bool) -> dict:
             "kernels_us_per_step": {n: round(us, 4) for n, us in sorted(every.items(), key=lambda kv: -kv[1])}}
 
 
+def fresh_start(seed: int, cuda: bool) -> None:
+    """Before a run's model is built: the memory of earlier objects freed, the peak counter reset, the seed set."""
+    import lightning.pytorch as pl
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    pl.seed_everything(seed, verbose=False)
+
+
 def make_prepared_eager(notes: list[str]) -> Any:
     """The Lightning callback of the ``prepared`` variants: at train start the optimizer prepared as
     ``CudaGraphCallback()`` prepares it (``OptimizerPrep``: capturable AdamW, the learning rate a device tensor) and
@@ -269,11 +281,7 @@ def run_variant(job: dict) -> dict:
         callbacks.append(nemo_cb)
         if not cuda:
             out["notes"].append("CPU: NeMo's callback loaded from the wheel and attached with capture_iteration=-1")
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    pl.seed_everything(job["seed"], verbose=False)
+    fresh_start(job["seed"], cuda)
     t = time.perf_counter()
     module = build_module(job, w, v, cuda)
     out.update(build_s=time.perf_counter() - t, n_params=module.n_params, n_matmul_params=module.n_matmul_params)
