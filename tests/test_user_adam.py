@@ -283,8 +283,7 @@ def interpreted(monkeypatch):
     adam_tail._eager_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("from_v", [True, False])
-def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted, from_v):
+def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted):
     from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
 
     g = torch.Generator().manual_seed(1)
@@ -295,12 +294,12 @@ def test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv(interpreted, from_v
     step_size = torch.tensor([-5.2631e-4, -1e-3, -3.3e-4, -2e-3, -7.1e-4, -1e-4], dtype=torch.float32)
     bc2s = torch.tensor([0.0447, 0.1, 0.3, 0.99, 0.5, 0.7], dtype=torch.float32)
     before = [p.clone() for p in ps]
-    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, bc2s, step_size, 1e-8, from_v=from_v)
+    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, bc2s, step_size, 1e-8)
     f32 = lambda x: x.to(torch.float32).to(torch.float64)  # noqa: E731  (round to float32, keep computing exactly)
     for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
+        # _foreach_sqrt, _foreach_div_ by the float32 scalar, _foreach_add_(eps): each rounded
         d = v.double()
-        if from_v:  # _foreach_sqrt, _foreach_div_ by the float32 scalar, _foreach_add_(eps): each rounded
-            d = f32(f32(f32(d.sqrt()) / bc2s[j].double()) + f32(torch.tensor(1e-8, dtype=torch.float64)))
+        d = f32(f32(f32(d.sqrt()) / bc2s[j].double()) + f32(torch.tensor(1e-8, dtype=torch.float64)))
         q = f32(m.double() / d)
         # one rounding of p + s * q (an FMA); s * q is exact in float64, the float64 sum then rounds once more (a
         # float32 tie after it has probability ~2^-29 per element)
@@ -326,7 +325,7 @@ def test_the_eager_tail_and_scale_kernels_on_bf16_round_each_operation_as_torchs
     bc2s = torch.tensor([0.0447, 0.1, 0.3, 0.99, 0.5, 0.7], dtype=torch.float32)
     before = [p.clone() for p in ps]
     tail = EagerAdamTail(block=16, iters=2, num_warps=1)
-    tail(ps, ms, vs, bc2s, step_size, 1e-8, from_v=True)
+    tail(ps, ms, vs, bc2s, step_size, 1e-8)
     bf = lambda x: x.to(torch.bfloat16).float()  # noqa: E731  (a float32 result stored as BFloat16)
     eps = torch.tensor(1e-8, dtype=torch.float32)
     for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
@@ -397,8 +396,8 @@ def test_warm_compiles_every_kernel_variant_the_update_launches():
             super().__init__()
             self.launched = set()
 
-        def __call__(self, params, exp_avgs, third, bc2s, step_size, eps, from_v=True, reciprocal=False):
-            self.launched.add(("tail", params[0].dtype, from_v, reciprocal))
+        def __call__(self, params, exp_avgs, exp_avg_sqs, bc2s, step_size, eps, reciprocal=False):
+            self.launched.add(("tail", params[0].dtype, reciprocal))
 
         def scale(self, params, factor):
             self.launched.add(("scale", params[0].dtype))
@@ -416,7 +415,7 @@ def test_warm_compiles_every_kernel_variant_the_update_launches():
                          foreach=foreach, amsgrad=amsgrad, maximize=False, beta1=0.9, beta2=0.95,
                          lr=torch.tensor(LR, dtype=torch.float64), weight_decay=0.1, eps=1e-8,
                          decoupled_weight_decay=True, table=table.values, tail=used)
-    assert {("tail", d, True, r) for d in dtypes for r in (False, True)} <= used.launched  # both forms ran
+    assert {("tail", d, r) for d in dtypes for r in (False, True)} <= used.launched  # both forms ran
     assert used.launched <= warmed.launched, used.launched - warmed.launched
 
 

@@ -82,21 +82,20 @@ def _eager_kernel() -> Any:
     # to float32 (opmath) and compute ``p + s * (m / d)`` in float32: an IEEE division, then ``a + s * q`` which nvcc
     # contracts into one FMA (torch >= 2.12 writes ``std::fma`` itself): one rounding, mirrored by ``fma``. Here ``s``
     # and ``bias_correction2_sqrt`` are read from device memory, one float32 per tensor.
-    # FROM_V: the denominator computed here from ``v``. The multi-tensor one: ``_foreach_sqrt`` (``sqrtf``),
+    # The denominator is computed here from ``v``. The multi-tensor one: ``_foreach_sqrt`` (``sqrtf``),
     # ``_foreach_div_`` by the ScalarList (IEEE division by the float32 scalar), ``_foreach_add_(eps)`` (float32 add).
     # RECIP, the for-loop one: ``(v.sqrt() / bias_correction2_sqrt).add_(eps)``, whose CUDA division by a Python float
     # (a CPU scalar: ``div_true_kernel_cuda``) multiplies by ``1.0f / float32(bias_correction2_sqrt)``, a float32
     # reciprocal computed once, then adds eps: a multiply and an add, each rounded (launched without FP fusion, which
-    # would contract them into one FMA). Without FROM_V the third tensor is the denominator itself (no update
-    # launches that variant).
+    # would contract them into one FMA).
     # BFloat16 tensors (ROUND): each operation computes in float32 (opmath) and stores BFloat16, so the denominator is
     # rounded to BFloat16 after the square root, the division (or multiply) and the add, and the parameter once
     # after the FMA. RNE: round to nearest even as c10's float -> BFloat16 conversion, on the float32's bits (add
     # 0x7FFF plus the lowest kept bit, clear the low half; NaN kept), the same on a GPU and in Triton's interpreter
     # (whose float32 -> bfloat16 cast truncates); the final cast is then exact.
     @triton.jit(do_not_specialize=["n_tensors"])
-    def eager_adam_tail_kernel(table, n_tensors, bc2s_ptr, step_size_ptr, eps, ref, FROM_V: tl.constexpr,
-                               RECIP: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    def eager_adam_tail_kernel(table, n_tensors, bc2s_ptr, step_size_ptr, eps, ref, RECIP: tl.constexpr,
+                               ROUND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         c = tl.program_id(0)
         t = tl.load(table + 5 * n_tensors + c)
         p = tl.multiple_of(tl.load(table + t).to(ref.dtype), 16)
@@ -112,27 +111,26 @@ def _eager_kernel() -> Any:
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
             d = tl.load(x + offs, mask=mask, other=1.0).to(tl.float32)
-            if FROM_V:
-                if ROUND:  # each rounded to BFloat16 as the bits of a float32 (see RNE below)
-                    d = tl.math.sqrt_rn(d)
-                    u = d.to(tl.uint32, bitcast=True)
-                    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-                    d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
-                    if RECIP:
-                        d = d * inv  # the for-loop's division by a Python float, as CUDA computes it
-                    else:
-                        d = tl.math.div_rn(d, bc2s)
-                    u = d.to(tl.uint32, bitcast=True)
-                    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-                    d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
-                    d = d + eps
-                    u = d.to(tl.uint32, bitcast=True)
-                    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-                    d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
-                elif RECIP:
-                    d = tl.math.sqrt_rn(d) * inv + eps  # two roundings: FP fusion is off for this variant
+            if ROUND:  # each rounded to BFloat16 as the bits of a float32 (see RNE below)
+                d = tl.math.sqrt_rn(d)
+                u = d.to(tl.uint32, bitcast=True)
+                u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+                if RECIP:
+                    d = d * inv  # the for-loop's division by a Python float, as CUDA computes it
                 else:
-                    d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
+                    d = tl.math.div_rn(d, bc2s)
+                u = d.to(tl.uint32, bitcast=True)
+                u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+                d = d + eps
+                u = d.to(tl.uint32, bitcast=True)
+                u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
+            elif RECIP:
+                d = tl.math.sqrt_rn(d) * inv + eps  # two roundings: FP fusion is off for this variant
+            else:
+                d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
             q = tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0).to(tl.float32), d)
             new = tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0).to(tl.float32))
             if ROUND:
@@ -282,21 +280,18 @@ class EagerAdamTail(FusedAdamTail):
     """The last operations of torch's *non-capturable* Adam update, with its Python scalars read from the device.
 
     ``p += s * (m / d)`` with ``s`` (the step size, one float32 per tensor) from device memory, rounded as torch's
-    CUDA ``addcdiv`` rounds it (see :func:`_eager_kernel`); ``d`` computed from ``v`` (``from_v=True``,
-    ``bias_correction2_sqrt`` one float32 per tensor) as the multi-tensor path does, or as the for-loop path does on
-    CUDA (``reciprocal=True``: a multiply by the float32 reciprocal), or given.
+    CUDA ``addcdiv`` rounds it (see :func:`_eager_kernel`); ``d`` computed from ``v`` (``bias_correction2_sqrt`` one
+    float32 per tensor) as the multi-tensor path does, or as the for-loop path does on CUDA (``reciprocal=True``: a
+    multiply by the float32 reciprocal).
     """
 
-    def __call__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor], third: Sequence[Tensor],  # type: ignore[override]
-                 bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float, from_v: bool = True,
-                 reciprocal: bool = False) -> None:
-        if reciprocal and not from_v:
-            raise ValueError("reciprocal=True computes the denominator from v (from_v=True)")
-        table, programs = self._table(params, exp_avgs, third)
+    def __call__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],  # type: ignore[override]
+                 bias_correction2_sqrt: Tensor, step_size: Tensor, eps: float, reciprocal: bool = False) -> None:
+        table, programs = self._table(params, exp_avgs, exp_avg_sqs)
         # the for-loop denominator's multiply and add are two roundings: no FP fusion (an FMA) in that variant
         options = {"enable_fp_fusion": False} if reciprocal else {}
         _eager_kernel()[(programs,)](table, len(params), bias_correction2_sqrt, step_size, float(eps),
-                                     params[0].detach(), FROM_V=from_v, RECIP=reciprocal,
+                                     params[0].detach(), RECIP=reciprocal,
                                      ROUND=params[0].dtype == torch.bfloat16, BLOCK=self.block, ITERS=self.iters,
                                      num_warps=self.num_warps, **options)
 
@@ -316,7 +311,7 @@ class EagerAdamTail(FusedAdamTail):
             p, m, v = (torch.ones(64, dtype=dtype, device=device) for _ in range(3))
             one = torch.ones(1, dtype=torch.float32, device=device)
             for reciprocal in (False, True):
-                self([p], [m], [v], one, one, 1e-8, from_v=True, reciprocal=reciprocal)
+                self([p], [m], [v], one, one, 1e-8, reciprocal=reciprocal)
             if dtype == torch.bfloat16:
                 self.scale([p], one.reshape(()))
         if device.type == "cuda":

@@ -206,7 +206,7 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     if tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES):
         # the denominator from v as CUDA computes it: the multi-tensor path divides by the ScalarList's float32, the
         # for-loop path's division by a Python float multiplies by its float32 reciprocal
-        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, from_v=True, reciprocal=not foreach)
+        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, reciprocal=not foreach)
         return
     if params[0].device.type == "cuda":
         # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route

@@ -267,7 +267,7 @@ def test_the_bf16_adam_kernels_are_torchs_cuda_foreach_ops_bit_for_bit():
     torch._foreach_addcdiv_(want, ms, denom, step_size.tolist())
     got = [p.clone() for p in ps]
     tail = EagerAdamTail()
-    tail(got, ms, vs, bc2s, step_size, 1e-8, from_v=True)
+    tail(got, ms, vs, bc2s, step_size, 1e-8)
     for j, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"addcdiv, tensor {j}: {(a != b).sum().item()} elements differ"
     factor = 1 - 3e-2 * 0.1  # AdamW's decay factor as a Python float
