@@ -1194,7 +1194,7 @@ MUTANTS: list[Mutant] = [
     Mutant("eager-tail-two-roundings", "cpu", TAIL,
            "            new = tl.math.fma(s, q, tl.load(p + offs, mask=mask, other=0.0).to(tl.float32))",
            "            new = s * q + tl.load(p + offs, mask=mask, other=0.0).to(tl.float32)",
-           (UA + "test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv[True]",),
+           (UA + "test_the_eager_tail_kernel_rounds_as_torchs_cuda_addcdiv",),
            "the eager tail rounds s * q before adding it (torch's CUDA addcdiv is one FMA); in the interpreter"),
     Mutant("user-sgd-two-roundings", "cpu", USGD,
            "            p.copy_(fma_f32(g, alpha, p))",
