@@ -1548,6 +1548,13 @@ MUTANTS: list[Mutant] = [
             PT + "test_lightning_partial_graphs_verify_steps_raise_parity_error_when_a_graph_differs_from_eager[module]"),
            "verify_steps' eager half in the partial tier replays the modules' graphs instead of their own forwards: a "
            "graph that differs from eager compares equal, and the calls it counts change what the graphed half does"),
+    Mutant("fp8-weights-under-a-masterless-torch-optimizer-accepted", "cpu", "nemo_cudagraph_plugin/fp8/_te_compat.py",
+           '    if module == "torch.optim" or module.startswith("torch.optim."):\n',
+           "    if False:\n",
+           ("tests/test_fp8_refusals_cpu.py::test_a_torch_optimizer_on_fp8_weights_is_refused_on_any_machine[AdamW]",
+            "tests/test_fp8_refusals_cpu.py::test_the_masterless_refusal_holds_with_on_capture_error_eager"),
+           "torch's AdamW on FP8 primary weights is not refused: every step rounds the weights back to FP8 and the "
+           "updates smaller than FP8's spacing are lost, silently"),
 ]
 
 

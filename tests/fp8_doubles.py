@@ -39,6 +39,10 @@ markers (e.g. microbatch boundaries). Example::
     w._create_transpose()                   # 'compute'
     assert log.seqs("compute", "w0")[-1] > log.seqs("mark", "step")[-1]
 
+TE's quantized formats, recipes and ``FusedAdam`` by name (what the pre-fit refusals key on, TE 2.20's classes and
+modules): :func:`te_named_param` (a ``Float8Tensor``, ``Float8BlockwiseQTensor``, ``MXFP8Tensor`` or ``NVFP4Tensor``
+parameter), :func:`te_recipe` (``DelayedScaling()``, ``MXFP8BlockScaling()``, ...), :class:`TEFusedAdam`.
+
 (``tests/`` is on ``sys.path`` under pytest's default import mode, so ``from fp8_doubles import ...``
 works from any test module below ``tests/``.)
 """
@@ -56,6 +60,7 @@ from torch import Tensor
 __all__ = [
     "GENERATIONS",
     "DOUBLE_CLASSES",
+    "TEFusedAdam",
     "TE15Float8Double",
     "TE16Float8Double",
     "TE18Float8Double",
@@ -68,6 +73,8 @@ __all__ = [
     "graph_read",
     "make_fp8_module",
     "make_fp8_param",
+    "te_named_param",
+    "te_recipe",
     "transpose_is_current",
     "write_fp8_bytes",
 ]
@@ -414,3 +421,78 @@ class WritingOptimizer(torch.optim.Optimizer):
                 elif p.grad is not None:
                     p.add_(p.grad, alpha=-group["lr"])
         return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TE's quantized tensor classes, recipes and FusedAdam, by name and module (TE 2.20)
+# ---------------------------------------------------------------------------------------------------------------
+
+_TE_TENSOR = "transformer_engine.pytorch.tensor"
+#: TE 2.20's module of each quantized tensor class a parameter can be
+TE_TENSOR_MODULES = {
+    "Float8Tensor": f"{_TE_TENSOR}.float8_tensor",
+    "Float8BlockwiseQTensor": f"{_TE_TENSOR}.float8_blockwise_tensor",
+    "MXFP8Tensor": f"{_TE_TENSOR}.mxfp8_tensor",
+    "NVFP4Tensor": f"{_TE_TENSOR}.nvfp4_tensor",
+}
+
+# TE's common base (``transformer_engine/pytorch/quantized_tensor.py``). A Parameter subclass here so modules and
+# optimizers take the stand-ins like parameters; TE's parameters are its tensor subclasses flagged as parameters.
+_QuantizedTensor = type("QuantizedTensor", (torch.nn.Parameter,), {"__module__": "transformer_engine.pytorch.quantized_tensor"})
+_TE_CLASSES: dict[str, type] = {
+    name: type(name, (_QuantizedTensor,), {"__module__": module}) for name, module in TE_TENSOR_MODULES.items()
+}
+
+
+def te_named_param(cls_name: str, shape: Sequence[int] = (8, 4), *, requires_grad: bool = True,
+                   seed: int = 0) -> torch.nn.Parameter:
+    """A float32 parameter whose class is named and placed as TE's ``cls_name`` (a key of :data:`TE_TENSOR_MODULES`).
+
+    It computes like a plain parameter; only its class says what TE tensor it stands for.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return _TE_CLASSES[cls_name](torch.randn(tuple(shape), generator=g) * 0.1, requires_grad)
+
+
+_Recipe = type("Recipe", (), {"__module__": "transformer_engine.common.recipe"})
+
+
+def te_recipe(cls_name: str) -> Any:
+    """An instance of a class named and placed as TE's recipe ``cls_name`` (``"MXFP8BlockScaling"``, ...)."""
+    return type(cls_name, (_Recipe,), {"__module__": "transformer_engine.common.recipe"})()
+
+
+class TEFusedAdam(torch.optim.Optimizer):
+    """TE 2.20's ``FusedAdam`` as the refusals see it: ``capturable`` and ``master_weights`` kept as attributes (not
+    in ``defaults``); with ``capturable=True`` each group's ``lr`` is a tensor on its parameters' device and the step
+    count a device tensor in the group. The update is plain SGD (the checks never look at it)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, *, capturable: bool = False,
+                 master_weights: bool = False) -> None:
+        lr_value: Any = torch.tensor(lr, dtype=torch.float32) if capturable else lr
+        super().__init__(params, {"lr": lr_value, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                  "bias_correction": True})
+        self.capturable = capturable
+        self.master_weights = master_weights
+        if capturable:
+            for group in self.param_groups:
+                if group["params"]:
+                    group["lr"] = group["lr"].to(device=group["params"][0].device)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if self.capturable:
+                group["step"] = group.get("step", torch.zeros(1, dtype=torch.int)) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * -group["lr"])
+        return loss
+
+
+TEFusedAdam.__name__ = TEFusedAdam.__qualname__ = "FusedAdam"
+TEFusedAdam.__module__ = "transformer_engine.pytorch.optimizers.fused_adam"

@@ -7,7 +7,9 @@ schedulers already do for tensor values); the kernels read them on every replay.
 
 What is changed, per param group, until :meth:`OptimizerPrep.restore`:
 - Adam/AdamW (and any optimizer with a ``capturable`` option): ``capturable=True``; step
-  counters live on the device.
+  counters live on the device. An optimizer that fixes its capturable mode when it is built
+  (TransformerEngine's ``FusedAdam(capturable=True)``: its ``lr`` is a device tensor per group and
+  its step count a device tensor, kept by itself) is left as it is: its own update is captured.
 - SGD: ``fused=True`` (the fused kernel takes ``lr`` as a device tensor without a host sync).
 - ``lr`` (and ``betas`` where supported) become device tensors.
 - ``nan_action="skip"``: Adam/AdamW/SGD run their fused kernels, which skip the update on the
@@ -44,8 +46,8 @@ from ._torch_compat import (
 )
 from .user_step import UserStep
 
-__all__ = ["OptimizerPrep", "ParamGroupWatch", "check_optimizer_supported", "portable_optimizer_state",
-           "zero_grads_in_place"]
+__all__ = ["OptimizerPrep", "ParamGroupWatch", "built_capturable", "check_optimizer_supported",
+           "portable_optimizer_state", "zero_grads_in_place"]
 
 # Optimizers that cannot run inside a graph at all, with what to use instead.
 _REFUSED: dict[str, str] = {
@@ -65,6 +67,17 @@ def _family(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
+def built_capturable(optimizer: torch.optim.Optimizer) -> Optional[bool]:
+    """The capturable mode of an optimizer that fixes it when it is built and keeps it as an attribute, not in its
+    param groups: TransformerEngine's ``FusedAdam`` (``self.capturable``; only then does it make each group's ``lr``
+    a device tensor and its step count a device tensor, TE 2.20 ``optimizers/fused_adam.py``). ``None`` for an
+    optimizer with a per-group ``capturable`` option (torch's convention: the preparation switches it on) or none."""
+    if "capturable" in optimizer.defaults:
+        return None
+    mode = getattr(optimizer, "capturable", None)
+    return mode if isinstance(mode, bool) else None
+
+
 def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``TypeError`` naming the optimizer and the alternative if it cannot be graphed."""
     name = type(optimizer).__name__
@@ -75,11 +88,18 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
             f"{name} cannot run inside a CUDA graph: {why}. Use torch.optim.AdamW, Adam or SGD "
             "(or disable CUDA graphs for this model)."
         )
-    if fam is None and "capturable" not in optimizer.defaults:
+    built = built_capturable(optimizer) if fam is None else None
+    if built is False:
+        raise TypeError(
+            f"{name} was built with capturable=False: its step keeps the step count and the learning rate on the "
+            "host, so every replay would repeat the captured step's values, and the mode cannot be switched "
+            f"afterwards. Build it with {name}(..., capturable=True), or use torch.optim.AdamW, Adam or SGD."
+        )
+    if fam is None and built is None and "capturable" not in optimizer.defaults:
         raise TypeError(
             f"{name} has no `capturable` option, so its step may sync with the host or keep state on the CPU "
-            "and cannot be captured safely. Use torch.optim.AdamW, Adam or SGD, or an optimizer that accepts "
-            "capturable=True (e.g. TransformerEngine's FusedAdam)."
+            "and cannot be captured safely. Use torch.optim.AdamW, Adam or SGD, or an optimizer built with "
+            "capturable=True (e.g. TransformerEngine's FusedAdam(capturable=True) on parameters that are not FP8)."
         )
     for i, group in enumerate(optimizer.param_groups):
         if group.get("differentiable", False):
@@ -243,6 +263,9 @@ class OptimizerPrep:
             self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)  # 0-d, like GradScaler's
             set_found_inf(opt, self.found_inf)
         quiet_uncaptured_capturable(opt)
+        own = built_capturable(opt) or (self._saved and all(s.get("capturable") for s in self._saved))
+        if fam is None and own and not self._live:
+            self.math_differs = ""  # the optimizer's own capturable update, which the preparation did not change
         self.freeze_scalars()
         self.applied = True
 

@@ -14,6 +14,8 @@ the backward GEMMs on Hopper) is stale. Eager TE rebuilds it; a CUDA graph does 
 * :func:`has_te_modules`, :func:`fp8_scaling_state` - TE modules in a model, and the scaling state TE's own
   kernels update (snapshotted around ``verify_steps``).
 * :mod:`.hazards` - RNG tracker, ``is_first_microbatch`` and delayed-scaling checks for capture.
+* :mod:`.formats` - FP8 weights a fit cannot train right (a format the GPU does not run, an optimizer without FP32
+  master weights), for the refusals before the first step.
 
 Importing this package never imports TransformerEngine; FP8 tensors are found by duck typing.
 """

@@ -31,6 +31,11 @@ was clear contains no rebuild and keeps reading the buffer.
 
 The generation is detected from the tensor's methods (cached per class), never from the version
 string alone; :func:`te_version` is used to refuse TE < 1.6 and to warn about a mismatch.
+
+Also here, because they follow TE's names and rules release by release: which TE quantized tensor class a parameter
+is (``Float8Tensor``, ``Float8BlockwiseQTensor``, ``MXFP8Tensor``, ``NVFP4Tensor``) and which recipe class makes it,
+the GPUs TE runs each format on (:func:`format_unsupported`, TE's ``check_*_support`` by version), and the optimizers
+that keep no FP32 master weights (:func:`masterless_optimizer`: torch's own, TE's ``FusedAdam(master_weights=False)``).
 """
 
 from __future__ import annotations
@@ -48,17 +53,26 @@ from torch import Tensor
 from ..core.warn import warn_once
 
 __all__ = [
+    "FORMAT_TITLE",
     "GENERATIONS",
     "Generation",
     "MIN_TE_VERSION",
+    "RECIPE_FORMAT",
+    "TENSOR_FORMAT",
     "UnsupportedFp8ApiError",
     "api_generation",
     "check_te_version",
     "delayed_scaling_unregistered",
     "expected_generation",
     "fp8_enabled",
+    "format_unsupported",
     "is_fp8_tensor",
+    "is_te_optimizer",
     "looks_like_fp8_tensor",
+    "masterless_optimizer",
+    "quantized_tensor_class",
+    "recipe_class",
+    "recipe_formats",
     "recompute_transpose",
     "reset_caches",
     "rowwise_data",
@@ -388,3 +402,158 @@ def fp8_scaling_state(module: torch.nn.Module) -> list[Tensor]:
                     seen.add(id(t))
                     out.append(t)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized parameter formats, the recipes that make them, and the GPUs that run them
+# --------------------------------------------------------------------------------------------
+
+#: TE's quantized tensor classes a parameter can be (``transformer_engine.pytorch.tensor.*``; TE 1.x:
+#: ``transformer_engine.pytorch.float8_tensor``) -> the format family TE checks a GPU for.
+TENSOR_FORMAT: dict[str, str] = {
+    "Float8Tensor": "fp8",
+    "Float8BlockwiseQTensor": "fp8_block",
+    "MXFP8Tensor": "mxfp8",
+    "NVFP4Tensor": "nvfp4",
+}
+
+#: TE's recipe classes (``transformer_engine.common.recipe``) -> the format family of the tensors they make, in the
+#: order a fix lists them.
+RECIPE_FORMAT: dict[str, str] = {
+    "DelayedScaling": "fp8",
+    "Float8CurrentScaling": "fp8",
+    "Float8BlockScaling": "fp8_block",
+    "MXFP8BlockScaling": "mxfp8",
+    "NVFP4BlockScaling": "nvfp4",
+}
+
+#: what each family is called in a message
+FORMAT_TITLE: dict[str, str] = {
+    "fp8": "FP8 with per-tensor scaling", "fp8_block": "FP8 block scaling", "mxfp8": "MXFP8", "nvfp4": "NVFP4",
+}
+
+
+def _te_class(obj: Any, package: str, names: Any) -> Optional[str]:
+    for cls in type(obj).__mro__:
+        if cls.__module__.startswith(package) and cls.__name__ in names:
+            return cls.__name__
+    return None
+
+
+def quantized_tensor_class(t: Any) -> Optional[str]:
+    """The TE class name of a quantized tensor (``"Float8Tensor"``, ``"MXFP8Tensor"``, ...; TE's base
+    ``"QuantizedTensor"`` for a subclass this table does not know), ``None`` for anything else.
+
+    Judged by the class's name and module (TE need not be importable); a tensor with TE's ``Float8Tensor``
+    transpose cache counts as ``"Float8Tensor"`` (duck typing, as :func:`is_fp8_tensor`).
+    """
+    name = _te_class(t, "transformer_engine", TENSOR_FORMAT)
+    if name is not None:
+        return name
+    if _te_class(t, "transformer_engine", ("QuantizedTensor",)) is not None:
+        return "QuantizedTensor"
+    if is_fp8_tensor(t) or looks_like_fp8_tensor(t):
+        return "Float8Tensor"
+    return None
+
+
+def recipe_class(recipe: Any) -> Optional[str]:
+    """The TE recipe class name of ``recipe`` (``"MXFP8BlockScaling"``, ...), ``None`` for anything else (TE's
+    ``CustomRecipe`` included: its quantizers are the user's)."""
+    return _te_class(recipe, "transformer_engine.common.recipe", RECIPE_FORMAT)
+
+
+def _cuda_at_least(cuda: Optional[tuple[int, int]], want: tuple[int, int]) -> bool:
+    return cuda is None or tuple(cuda) >= want  # unknown (a stand-in): not held against the GPU
+
+
+def format_unsupported(
+    fmt: str, capability: tuple[int, int], cuda: Optional[tuple[int, int]] = None,
+    version: Optional[tuple[int, ...]] = None,
+) -> Optional[str]:
+    """Why TransformerEngine does not run ``fmt`` on a GPU of ``capability`` with CUDA ``cuda`` (``None``: it does).
+
+    TE's own rules (``check_fp8_support``, ``check_fp8_block_scaling_support``, ``check_mxfp8_support``,
+    ``check_nvfp4_support``; ``transformer_engine/pytorch/quantization.py`` in 2.10-2.20, ``fp8.py`` before), by
+    the installed TE ``version`` (``None``: the 2.20 rules):
+
+    - FP8 per-tensor (``DelayedScaling``, ``Float8CurrentScaling``): 9.0 or higher; 8.9 (Ada) with CUDA >= 12.1
+      (and cuBLASLt >= 12.1.3, which TE checks itself).
+    - FP8 block scaling (``Float8BlockScaling``): 9.0 or higher and CUDA >= 12.9; TE 2.3-2.8: Hopper (9.x) only.
+    - MXFP8 (``MXFP8BlockScaling``): 10.0 or higher; from TE 2.6 not 12.0 or higher ("not supported on 12.0+
+      architectures yet").
+    - NVFP4 (``NVFP4BlockScaling``): 10.0 or higher.
+    """
+    cc = tuple(capability)
+    version = tuple(version) if version is not None else (2, 20, 0)
+    if fmt == "fp8":
+        if cc >= (9, 0):
+            return None
+        if cc < (8, 9):
+            return "TransformerEngine runs FP8 on compute capability 8.9 (Ada) or higher"
+        if not _cuda_at_least(cuda, (12, 1)):
+            return "TransformerEngine runs FP8 on compute capability 8.9 (Ada) with CUDA 12.1 or newer"
+        return None
+    if fmt == "fp8_block":
+        hopper_only = version[:2] < (2, 9)
+        if cc < (9, 0) or (hopper_only and cc >= (10, 0)):
+            where = "Hopper (compute capability 9.x)" if hopper_only else "compute capability 9.0 or higher"
+            return f"TransformerEngine runs FP8 block scaling on {where} with CUDA 12.9 or newer"
+        if not _cuda_at_least(cuda, (12, 9)):
+            return "TransformerEngine runs FP8 block scaling with CUDA 12.9 or newer only"
+        return None
+    if fmt == "mxfp8":
+        if version[:2] >= (2, 6) and cc >= (12, 0):
+            return ("TransformerEngine does not run MXFP8 on compute capability 12.0 or higher yet (it runs it on "
+                    "10.x and 11.x: Blackwell data-center GPUs)")
+        if cc < (10, 0):
+            return "TransformerEngine runs MXFP8 on compute capability 10.0 or higher (Blackwell)"
+        return None
+    if fmt == "nvfp4":
+        if cc < (10, 0):
+            return "TransformerEngine runs NVFP4 on compute capability 10.0 or higher (Blackwell)"
+        return None
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def recipe_formats(
+    capability: tuple[int, int], cuda: Optional[tuple[int, int]] = None, version: Optional[tuple[int, ...]] = None
+) -> list[str]:
+    """The TE recipes a GPU runs (class names, in :data:`RECIPE_FORMAT`'s order)."""
+    return [r for r, fmt in RECIPE_FORMAT.items() if format_unsupported(fmt, capability, cuda, version) is None]
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizers that keep no FP32 master weights
+# --------------------------------------------------------------------------------------------
+
+
+def masterless_optimizer(optimizer: Any) -> Optional[str]:
+    """How ``optimizer`` updates its parameters without FP32 master weights (a phrase for a message), ``None``
+    when it may keep them.
+
+    - torch's own optimizers (a ``step`` defined in ``torch.optim``, subclasses that keep it included) update each
+      parameter in place: on a TE quantized tensor that is dequantize, update, quantize back.
+    - TE's ``FusedAdam`` with ``master_weights=False`` (its constructor argument, kept as ``self.master_weights``):
+      no FP32 copy (TE 2.20 ``fused_adam.py``: FP8 ``Float8Tensor`` parameters are then collected but not
+      updated, other quantized ones refused at the step).
+
+    Any other optimizer (one that keeps FP32 masters and writes the quantized weights from them, whatever its
+    param groups hold) is ``None``.
+    """
+    step = inspect.unwrap(getattr(type(optimizer), "step", None) or (lambda: None))
+    module = getattr(step, "__module__", "") or ""
+    if module == "torch.optim" or module.startswith("torch.optim."):
+        return (f"torch's {type(optimizer).__name__} updates each parameter in place with no FP32 master copy, so "
+                "every step rounds the updated weight back to the quantized format and loses each update smaller "
+                "than its spacing: training goes wrong silently")
+    if is_te_optimizer(optimizer, "FusedAdam") and not getattr(optimizer, "master_weights", False):
+        return ("TransformerEngine's FusedAdam(master_weights=False) keeps no FP32 master copy: it leaves FP8 "
+                "Float8Tensor parameters as they are and refuses other quantized ones at its step (TE 2.20)")
+    return None
+
+
+def is_te_optimizer(optimizer: Any, name: str) -> bool:
+    """``optimizer`` is TE's optimizer class ``name`` (``"FusedAdam"``: ``transformer_engine.pytorch.optimizers``),
+    or a subclass of it."""
+    return _te_class(optimizer, "transformer_engine", (name,)) is not None

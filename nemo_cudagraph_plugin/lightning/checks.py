@@ -4,6 +4,10 @@ What needs no GPU (strategy, automatic optimization, precision, the optimizers) 
 machine — a user learns on a laptop that their module cannot be graphed — and only then whether a
 CUDA device is there. Each refusal has a short ``label`` (the key in ``stats.eager_reasons``) and
 a message that says what to change.
+
+FP8 weights that would train wrongly with or without graphs (:func:`fp8_refusal`: a format the GPU does not run, an
+optimizer without FP32 master weights for them) are refused whatever ``on_capture_error`` says (``Refusal.eager_too``):
+training them eagerly is no way out.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 
 from ..core import compiled_with_cuda_graphs
 from ..core.config import CaptureConfig
-from ..core.optim import check_optimizer_supported
+from ..core.optim import built_capturable, check_optimizer_supported
+from ..fp8 import formats
 
-__all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "optimizer_refusal", "device_refusal"]
+__all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "fp8_refusal", "optimizer_refusal", "device_refusal"]
 
 REFUSED_STRATEGIES = {
     "FSDPStrategy": "FSDP re-shards parameters and allocates gradient buffers inside every step",
@@ -42,11 +47,14 @@ class Refusal:
         soft: train eagerly with one warning even with ``on_capture_error="raise"`` (the user chose
             it, or the machine has no GPU); otherwise a :class:`CaptureError` unless
             ``on_capture_error="eager"``.
+        eager_too: training without graphs would be as wrong: a :class:`CaptureError` whatever
+            ``on_capture_error`` says.
     """
 
     label: str
     message: str
     soft: bool = False
+    eager_too: bool = False
 
 
 def _mro_names(obj: Any) -> set[str]:
@@ -131,5 +139,87 @@ def device_refusal(pl_module: Any) -> Optional[Refusal]:
             "model not on CUDA",
             f"the model is on {pl_module.device}, not on a CUDA device (Trainer(accelerator='gpu'))",
             soft=True,
+        )
+    return None
+
+
+def _more(n: int, what: str) -> str:
+    return f" (and {n} more {what}{'s' if n != 1 else ''})" if n else ""
+
+
+def _recipes_phrase(gpu: formats.Gpu) -> str:
+    names = [f"{r}()" for r in formats.recipes_it_runs(gpu)]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}" if names else ""
+
+
+def _recipe_fix(gpu: formats.Gpu, use: str) -> str:
+    """``use`` followed by the recipes ``gpu`` runs, or what to do when it runs none."""
+    recipes = _recipes_phrase(gpu)
+    if recipes:
+        return f"{use}: {recipes}"
+    return (f"{gpu.name} runs no FP8 format of TransformerEngine: train without FP8 (no te.quantized_model_init, "
+            "no te.autocast; precision='bf16-mixed'), or on a GPU of compute capability 8.9 or higher")
+
+
+def fp8_refusal(trainer: Any, pl_module: Any) -> Optional[Refusal]:
+    """FP8 weights this fit cannot train right (``on_train_start``; before the optimizers are prepared).
+
+    In order: an optimizer that updates TE quantized parameters without FP32 master weights (any machine); TE's
+    ``FusedAdam`` holding them (it cannot step them inside a graph); parameters of a format their GPU does not run,
+    and the recipe of Lightning's ``TransformerEnginePrecision`` (on a GPU).
+    """
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    for opt in trainer.optimizers:
+        masterless = formats.masterless_params(opt, names)
+        if masterless is not None:
+            (name, kind), n = masterless.params[0], len(masterless.params) - 1
+            return Refusal(
+                "FP8 weights without master weights",
+                f"configure_optimizers returns {type(opt).__name__}, and parameter {name!r} is a TransformerEngine "
+                f"{kind} (a quantized primary weight, from te.quantized_model_init){_more(n, 'quantized parameter')}"
+                f": {masterless.how}. Use an optimizer that keeps FP32 master weights and writes the quantized "
+                "weights from them in its step (TransformerEngine's FusedAdam(master_weights=True), without CUDA "
+                "graphs: TE refuses capturable=True with FP8 weights; or your own, whose capturable step updates FP32 "
+                "masters and writes the FP8 weights in place), or keep high-precision weights (build the model "
+                "without te.quantized_model_init) and let te.autocast quantize them for each GEMM",
+                eager_too=True,
+            )
+        held = formats.quantized_params(opt, names) if formats.is_te_fused_adam(opt) else []
+        if held:
+            (name, kind), n = held[0], len(held) - 1
+            mode = "capturable=True" if built_capturable(opt) else "capturable=False"
+            return Refusal(
+                "TE FusedAdam with FP8 weights",
+                f"configure_optimizers returns TransformerEngine's FusedAdam ({mode}), and parameter {name!r} is a "
+                f"{kind}{_more(n, 'quantized parameter')}: FusedAdam cannot update quantized weights inside a CUDA "
+                "graph (with capturable=True TE refuses them at its first step: 'FusedAdam does not support FP8 "
+                "model weights with capturable=True', and for block-scaled ones its write-back 'cannot be captured in "
+                "a CUDA graph'; with capturable=False its step count and learning rate live on the host, where a "
+                "replay would repeat the captured step's values). Train this model without CUDA graphs "
+                "(FusedAdam(master_weights=True) is right eagerly), or keep high-precision weights (no "
+                "te.quantized_model_init; te.autocast quantizes them for each GEMM) with FusedAdam(capturable=True) "
+                "or torch.optim.AdamW",
+            )
+    bad = formats.unsupported_params(pl_module.named_parameters())
+    if bad is not None:
+        return Refusal(
+            "FP8 format the GPU does not run",
+            f"parameter {bad.name!r} is a TransformerEngine {bad.kind} ({bad.format}: te.quantized_model_init with "
+            f"{bad.recipe}){_more(bad.others, 'such parameter')}, which "
+            f"{bad.gpu} cannot run: {bad.reason}. "
+            + _recipe_fix(bad.gpu, "Build the model under te.quantized_model_init with a recipe this GPU runs, and "
+                                   "pass the same recipe to te.autocast"),
+            eager_too=True,
+        )
+    plugin = getattr(trainer, "precision_plugin", None)
+    recipe = getattr(plugin, "recipe", None)
+    bad = formats.unsupported_recipe(recipe, pl_module.device) if recipe is not None else None
+    if bad is not None:
+        where = f"{type(plugin).__name__}(recipe={bad.recipe})"
+        return Refusal(
+            "FP8 recipe the GPU does not run",
+            f"Trainer(plugins={where}) asks for {bad.format}, which {bad.gpu} cannot run: {bad.reason}. "
+            + _recipe_fix(bad.gpu, f"Pass {type(plugin).__name__}(recipe=...) a recipe this GPU runs"),
+            eager_too=True,
         )
     return None

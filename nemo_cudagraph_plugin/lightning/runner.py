@@ -43,7 +43,7 @@ from ..hf import (
 )
 from . import _compat
 from .adapter import LightningStepAdapter, OptimizerNotPrepared
-from .checks import Refusal, device_refusal, optimizer_refusal, setup_refusal
+from .checks import Refusal, device_refusal, fp8_refusal, optimizer_refusal, setup_refusal
 
 __all__ = ["LightningStepRunner"]
 
@@ -108,7 +108,14 @@ class LightningStepRunner:
     # checks and binding
     # ------------------------------------------------------------------------------------------
     def _refuse(self, refusal: Refusal) -> None:
-        """Train eagerly with one warning, or stop with a :class:`CaptureError` (see ``Refusal.soft``)."""
+        """Train eagerly with one warning, or stop with a :class:`CaptureError` (see ``Refusal.soft`` and
+        ``Refusal.eager_too``)."""
+        if refusal.eager_too:
+            raise CaptureError(
+                f"{self.owner}: this fit cannot train right, with or without CUDA graphs: {refusal.message}. "
+                "(on_capture_error='eager' would not help: training eagerly has the same problem.)",
+                rule="configuration",
+            )
         if refusal.soft or self.config.on_capture_error == "eager":
             self.refused = refusal
             warnings.warn(f"nemo_cudagraph_plugin: training eagerly: {refusal.message}.", stacklevel=3)
@@ -137,7 +144,8 @@ class LightningStepRunner:
         self.trainer, self.pl_module = trainer, pl_module
         if self.refused is not None:  # refused at setup, already said
             return
-        why = setup_refusal(self.config, trainer, pl_module, self.owner) or optimizer_refusal(trainer)
+        why = (setup_refusal(self.config, trainer, pl_module, self.owner) or fp8_refusal(trainer, pl_module)
+               or optimizer_refusal(trainer))
         if why is None and (self.backend is None or self.backend.device_type == "cuda"):
             why = device_refusal(pl_module)
         if why is not None:
