@@ -15,8 +15,9 @@ The stale-transpose reproduction, docs/results/fp8.md result 1 (run on a Hopper 
 * ``te_fused_adam`` (information): whether TE's own ``FusedAdam(master_weights=True)`` leaves
   stale transposes after a step on delayed-scaling FP8 parameters, and whether the refresh fixes them.
 
-Also home of :class:`MasterWeightAdamW`, the FP8-writing optimizer that ``python -m benchmarks.fp8_lightning``
-(training parity and refresh overhead under the Lightning engine: results 2 and 3) trains with.
+Also home of the benchmarks' :class:`MasterWeightAdamW` (the product's, with a ``mark_stale=False`` arm), which
+``python -m benchmarks.fp8_lightning`` (training parity and refresh overhead under the Lightning engine: results 2 and
+3) and ``benchmarks.fp8_scale`` train with.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +36,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
+from nemo_cudagraph_plugin.fp8 import MasterWeightAdamW as _MasterWeightAdamW  # noqa: E402
 from nemo_cudagraph_plugin.fp8 import _te_compat as te_compat  # noqa: E402
 from nemo_cudagraph_plugin.fp8 import (  # noqa: E402
     refresh_fp8_transposes,
@@ -125,75 +126,26 @@ def transposes_cached(params: list[torch.Tensor]) -> bool:
 
 
 def write_fp8_in_place(param: torch.Tensor, master: torch.Tensor, *, mark_stale: bool = True) -> None:
-    """Write ``master`` into FP8 parameter ``param`` the way a distributed optimizer does.
-
-    Writes only the row-wise FP8 bytes and ``scale_inv`` in place, with device ops (current
-    scaling: scale = 448 / amax(master)); the cached transpose is left as it was, which is what the
-    refresh must fix. ``mark_stale=True`` first calls ``_reset_caches()`` (TE's contract for in-place
-    writes, as TE's ``quantize_master_weights`` does), so eager TE rebuilds the transpose before its next
-    use. ``mark_stale=False`` writes the bytes only, as a distributed optimizer's all-gather into its
-    parameter buffer does before any post-processing: nothing tells TE the transpose is stale.
-    (Measured on TE 2.20.2: quantizing through a TE quantizer object *inside* a CUDA graph capture
-    records a host-memory copy that crashes on replay, so the write is done with torch ops.)
-    """
-    if mark_stale:
-        te_compat.reset_caches(param)
-    data = te_compat.rowwise_data(param)
-    scale = 448.0 / master.detach().abs().amax().float().clamp_min(1e-12)
-    q = (master.detach().float() * scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
-    data.copy_(q.view(torch.uint8).view(data.shape))
-    param._scale_inv.copy_(scale.reciprocal().reshape(param._scale_inv.shape))  # TE 2.x Float8Tensor field
+    """Write ``master`` into FP8 parameter ``param`` as :class:`MasterWeightAdamW` does (per-tensor current scaling,
+    bytes and ``scale_inv`` in place, device ops only). ``mark_stale=False`` skips ``_reset_caches()``: the bytes
+    only, as a distributed optimizer's all-gather into its parameter buffer writes them, so nothing tells TE the
+    transpose is stale; the refresh must fix it."""
+    te_compat.write_per_tensor_fp8(param, master, te_compat.fp8_element_format(param), reset=mark_stale)
 
 
-class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW on FP32 master copies whose ``step()`` writes the parameters back in place.
-
-    FP8 parameters get new FP8 bytes via :func:`write_fp8_in_place` (``mark_stale`` passed on);
-    others a plain ``copy_``. The inner AdamW is ``capturable`` (and the optimizer says so in its
-    defaults), so the whole step can be captured into a CUDA graph. ``step(closure)`` runs the
-    closure first, as Lightning's automatic optimization expects.
-    """
+class MasterWeightAdamW(_MasterWeightAdamW):
+    """The product's :class:`~nemo_cudagraph_plugin.fp8.MasterWeightAdamW` with the benchmarks' settings (betas
+    0.9/0.95, no weight decay by default), and ``mark_stale=False`` for the arm whose writes skip
+    ``_reset_caches()``."""
 
     def __init__(
         self, params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0, *, mark_stale: bool = True
     ) -> None:
-        super().__init__(params, {"lr": lr, "capturable": True})
+        super().__init__(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
         self.mark_stale = mark_stale
-        self.model_params = [p for g in self.param_groups for p in g["params"]]
-        self.masters: list[torch.Tensor] = []
-        with torch.no_grad():
-            for p in self.model_params:
-                hp = getattr(p, "get_high_precision_init_val", None)
-                init = hp() if callable(hp) else None
-                if init is None:
-                    init = p.dequantize(dtype=torch.float32) if te_compat.is_fp8_tensor(p) else p
-                m = init.detach().to(device=p.device, dtype=torch.float32).clone()
-                m.grad = torch.zeros_like(m)
-                self.masters.append(m)
-                clear = getattr(p, "clear_high_precision_init_val", None)
-                if callable(clear):
-                    clear()
-        self.is_fp8 = [te_compat.is_fp8_tensor(p) for p in self.model_params]
-        self.inner = torch.optim.AdamW(
-            self.masters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, capturable=True, foreach=True
-        )
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            for p, m in zip(self.model_params, self.masters):
-                if p.grad is not None:
-                    m.grad.copy_(p.grad)
-            self.inner.step()
-            for p, m, fp8 in zip(self.model_params, self.masters, self.is_fp8):
-                if fp8:
-                    write_fp8_in_place(p, m, mark_stale=self.mark_stale)
-                else:
-                    p.copy_(m)
-        return loss
+    def _write_fp8(self, p: torch.Tensor, m: torch.Tensor, fmt: Any) -> None:
+        te_compat.write_per_tensor_fp8(p, m, fmt, reset=self.mark_stale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -179,15 +179,12 @@ class LlamaTE(nn.Module):
         return self.head(self.norm(x.transpose(0, 1)))
 
 
-def master_adamw(params: list[torch.nn.Parameter], lr: float, mark_stale: bool, cuda: bool) -> torch.optim.Optimizer:
-    """``fp8_refresh.MasterWeightAdamW`` (capturable AdamW on FP32 masters, FP8 bytes written in place); on the CPU
-    (the dry run) its inner AdamW is the non-capturable one, which torch allows there."""
+def master_adamw(params: list[torch.nn.Parameter], lr: float, mark_stale: bool) -> torch.optim.Optimizer:
+    """``fp8_refresh.MasterWeightAdamW`` (AdamW on FP32 masters, FP8 bytes written in place; capturable on a GPU, the
+    non-capturable update torch allows on the CPU in the dry run)."""
     from benchmarks.fp8_refresh import MasterWeightAdamW
 
-    opt = MasterWeightAdamW(params, lr=lr, mark_stale=mark_stale)
-    if not cuda:
-        opt.inner = torch.optim.AdamW(opt.masters, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
-    return opt
+    return MasterWeightAdamW(params, lr=lr, mark_stale=mark_stale)
 
 
 class ScaleLM(pl.LightningModule):
@@ -197,7 +194,7 @@ class ScaleLM(pl.LightningModule):
                  device: torch.device) -> None:
         super().__init__()
         self.model = LlamaTE(w, fp8=fp8, recipe=recipe, te=te, device=device)
-        self.lr, self.mark_stale, self.cuda_run = lr, mark_stale, device.type == "cuda"
+        self.lr, self.mark_stale = lr, mark_stale
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         from recipes.gpt import gpt_loss
@@ -205,7 +202,7 @@ class ScaleLM(pl.LightningModule):
         return gpt_loss(self.model(batch["input_ids"]), batch["labels"])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return master_adamw(list(self.parameters()), self.lr, self.mark_stale, self.cuda_run)
+        return master_adamw(list(self.parameters()), self.lr, self.mark_stale)
 
 
 def token_loader(w: dict, seed: int, pin: bool) -> torch.utils.data.DataLoader:

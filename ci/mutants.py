@@ -74,6 +74,8 @@ PARTIAL = "nemo_cudagraph_plugin/core/partial.py"
 POPT = "nemo_cudagraph_plugin/core/partial_optimizer.py"
 GMOD = "nemo_cudagraph_plugin/core/graphed_module.py"
 PT = "tests/test_partial_cpu.py::"
+FM = "tests/test_fp8_master_cpu.py::"
+UFA = "tests/test_user_fused_adam.py::"
 
 
 @dataclass(frozen=True)
@@ -1306,8 +1308,8 @@ MUTANTS: list[Mutant] = [
             "tests/test_user_fused_adam.py::test_the_node_scan_sets_exactly_the_sentinel_arguments_and_only_after_a_change"),
            "a new learning rate does not reach the graph's kernel nodes: replays keep the rate they were last set to"),
     Mutant("fused-lr-frozen-at-capture", "cpu", "nemo_cudagraph_plugin/core/user_fused_adam.py",
-           "adam_functional(opt, group, *lists, lr=self.lrs.argument(i))",
-           "adam_functional(opt, group, *lists, lr=self.lrs.values[i])",
+           "adam_functional(opt, group, *lists, lr=self.lrs.argument(i) if own is None else own)",
+           "adam_functional(opt, group, *lists, lr=self.lrs.values[i] if own is None else own)",
            ("tests/test_user_fused_adam.py::test_a_graphed_fit_with_the_users_fused_adamw_equals_their_eager_fit_bitwise",
             PT + "test_lightning_partial_graphs_clip_and_follow_the_schedule_inside_the_optimizer_graph",
             PT + "test_lightning_partial_graphs_resume_from_a_checkpoint_as_eager_training_does"),
@@ -1555,6 +1557,37 @@ MUTANTS: list[Mutant] = [
             "tests/test_fp8_refusals_cpu.py::test_the_masterless_refusal_holds_with_on_capture_error_eager"),
            "torch's AdamW on FP8 primary weights is not refused: every step rounds the weights back to FP8 and the "
            "updates smaller than FP8's spacing are lost, silently"),
+    Mutant("fused-tensor-lr-copied-once", "cpu", "nemo_cudagraph_plugin/core/user_fused_adam.py",
+           "            if own is not None:\n                own.fill_(lr.reshape(()))\n",
+           "            if own is not None and changed is not None:\n                own.fill_(lr.reshape(()))\n",
+           (UFA + "test_a_graphed_fit_with_the_users_fused_adamw_equals_their_eager_fit_bitwise[adamw-fused-tensor-lr]",
+            UFA + "test_a_group_lr_replaced_between_steps_is_what_the_graph_reads[tensor-replaced-at0]"),
+           "a fused group's tensor lr reaches the graph's tensor only when it is first seen: a scheduler's in-place "
+           "changes and a replaced tensor never reach the kernel, which keeps the first rate silently"),
+    Mutant("fused-lr-kind-change-not-recaptured", "cpu", "nemo_cudagraph_plugin/core/user_fused_adam.py",
+           "                lrs.set(i, lr)\n        return changed\n",
+           "                lrs.set(i, lr)\n        return None\n",
+           (UFA + "test_a_group_lr_replaced_between_steps_is_what_the_graph_reads[float-to-tensor-at2]",),
+           "a fused group's float lr replaced by a tensor keeps the graph of the float kernel, whose argument no "
+           "longer follows the group"),
+    Mutant("fp8-master-write-keeps-the-transpose-valid", "cpu", "nemo_cudagraph_plugin/fp8/_te_compat.py",
+           "    if reset:\n        t._reset_caches()\n",
+           "    pass\n",
+           (FM + "test_each_step_updates_fp32_masters_with_adamw_and_writes_every_weight_from_its_master",),
+           "MasterWeightAdamW writes new FP8 bytes without TE's _reset_caches(): eager TE's backward keeps reading the "
+           "transpose of the old bytes"),
+    Mutant("own-device-lr-not-followed", "cpu", OPTIM,
+           "        lr_t = lr_t or (fam is None and bool(opt.param_groups) and all(\n",
+           "        lr_t = lr_t or (False and all(\n",
+           (FM + "test_a_graphed_fit_trains_the_fp8_weights_as_the_eager_fit_with_schedule_clipping_and_a_float_lr[0]",),
+           "an optimizer holding its own device-tensor lr (MasterWeightAdamW, TE's FusedAdam) is not followed: a float "
+           "lr assigned between steps never reaches the graph, which keeps the old rate silently"),
+    Mutant("fp8-master-load-rounds-the-masters", "cpu", "nemo_cudagraph_plugin/fp8/master.py",
+           '    def load_state_dict(self, state_dict: dict[str, Any]) -> None:\n',
+           '    def _unused_load_state_dict(self, state_dict: dict[str, Any]) -> None:\n',
+           (FM + "test_a_resumed_run_equals_the_uninterrupted_one_with_fp32_masters_kept",),
+           "MasterWeightAdamW's checkpoint loads through torch's path: the FP32 masters of BF16 weights are rounded to "
+           "BF16 on resume, and the resumed run drifts from the uninterrupted one"),
 ]
 
 

@@ -571,7 +571,8 @@ class GPTLightningModule(pl.LightningModule):
     """A standard LightningModule around :class:`GPT` / :class:`TEGPT`; nothing in it knows about CUDA graphs.
 
     ``training_step`` returns the loss and logs ``train_loss`` (progress bar); ``validation_step`` logs
-    ``val_loss``. ``configure_optimizers``: AdamW (weight decay on >= 2-D weights only) and, when
+    ``val_loss``. ``configure_optimizers``: AdamW (weight decay on >= 2-D weights only; with ``fp8``,
+    :class:`nemo_cudagraph_plugin.fp8.MasterWeightAdamW`, the same update on FP32 masters) and, when
     ``warmup_steps > 0`` or ``max_steps`` is given, a ``LambdaLR`` stepped every optimizer step (linear warm-up
     to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``).
     """
@@ -626,7 +627,13 @@ class GPTLightningModule(pl.LightningModule):
                 (decay if p.dim() >= 2 else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": self.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        if self.fp8:
+            # FP8 primary weights need FP32 masters (torch's AdamW would round each update back to FP8)
+            from nemo_cudagraph_plugin.fp8 import MasterWeightAdamW
+
+            optimizer: torch.optim.Optimizer = MasterWeightAdamW(groups, lr=self.lr, betas=self.betas)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         if not self.warmup_steps and self.max_steps is None:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)

@@ -73,6 +73,7 @@ __all__ = [
     "graph_read",
     "make_fp8_module",
     "make_fp8_param",
+    "quantized_fp8_param",
     "te_named_param",
     "te_recipe",
     "transpose_is_current",
@@ -140,6 +141,19 @@ class TransposeLog:
         self.events.clear()
 
 
+class _DType:
+    """TE's ``tex.DType`` member as it prints (``DType.kFloat8E4M3``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"DType.{self.name}"
+
+
+_E4M3 = _DType("kFloat8E4M3")
+
+
 class _Fp8Double(torch.nn.Parameter):
     """Common state of the doubles (not itself FP8-like: it has no ``_reset_caches``)."""
 
@@ -169,6 +183,9 @@ class _Fp8Double(torch.nn.Parameter):
         self._data = data.view(data_dtype) if data_dtype != torch.uint8 else data
         self._transpose = None
         self._transpose_invalid = True
+        # TE's per-tensor scaling state and element format: the bytes are E4M3 values times ``1 / _scale_inv``
+        self._scale_inv = torch.ones(1)
+        self._fp8_dtype = _E4M3
         if with_transpose:
             buf = torch.empty(_t_shape(shape), dtype=torch.uint8)
             _fill_transpose(self._data, buf)
@@ -179,6 +196,11 @@ class _Fp8Double(torch.nn.Parameter):
                 raise ValueError("a column-wise-only double needs with_transpose=True")
             self._data = None
         return self
+
+    def dequantize(self, *, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The value the bytes stand for: E4M3 times ``_scale_inv`` (TE's ``Float8Tensor.dequantize``)."""
+        data = self._data.view(torch.uint8) if self._data.dtype != torch.uint8 else self._data
+        return (data.view(torch.float8_e4m3fn).float() * self._scale_inv).to(dtype)
 
     # -- helpers shared by the generations --------------------------------------------------
 
@@ -496,3 +518,18 @@ class TEFusedAdam(torch.optim.Optimizer):
 
 TEFusedAdam.__name__ = TEFusedAdam.__qualname__ = "FusedAdam"
 TEFusedAdam.__module__ = "transformer_engine.pytorch.optimizers.fused_adam"
+
+
+def quantized_fp8_param(values: Tensor, *, generation: str = "te2", fp8_name: str = "w",
+                        log: Optional[TransposeLog] = None) -> _Fp8Double:
+    """A double whose bytes are ``values`` quantized as TE's per-tensor current scaling does (E4M3, ``scale = 448 /
+    amax``), its transpose current: ``dequantize()`` gives ``values`` to FP8 precision."""
+    p = make_fp8_param(generation, tuple(values.shape), fp8_name=fp8_name, log=log, with_transpose=True)
+    scale = 448.0 / values.abs().amax().clamp_min(1e-12)
+    q = (values.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    p._data.copy_(q.view(torch.uint8))
+    p._scale_inv = scale.reciprocal().reshape(1)
+    _fill_transpose(p._data, p._transpose)
+    p._transpose_invalid = False
+    return p
+

@@ -62,12 +62,29 @@ def _fit(module, plugin=None, steps=3, **trainer_kw):
     return trainer
 
 
-def _master_adamw(params):
-    """The benchmark's FP32-master AdamW (its param groups hold the FP8 parameters, its inner AdamW the FP32
-    masters; its step writes the weights back), with the non-capturable inner AdamW torch allows on the CPU."""
-    from benchmarks.fp8_scale_model import master_adamw
+class _OwnMasterAdam(torch.optim.Optimizer):
+    """A user's own optimizer (its ``step`` is not torch's), so the checks take it as one that keeps FP32 masters; it
+    trains the weights as plain ones (the checks never look at the update). The product's MasterWeightAdamW, which
+    writes per-tensor FP8 only, is tested in test_fp8_master_cpu."""
 
-    return master_adamw(params, lr=1e-3, mark_stale=True, cuda=False)
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3, "capturable": True})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-1e-3)
+        return loss
+
+
+def _master_adamw(params):
+    return _OwnMasterAdam(params)
 
 
 # -- 1. a quantized format the GPU does not run -----------------------------------------------------------------
@@ -197,6 +214,7 @@ def test_a_torch_optimizer_on_fp8_weights_is_refused_on_any_machine(make_opt, na
     assert f"torch's {name} updates each parameter in place with no FP32 master copy" in msg, msg
     assert "loses each update smaller than its spacing" in msg, msg
     assert "FusedAdam(master_weights=True)" in msg and "te.autocast quantize them" in msg, msg
+    assert "nemo_cudagraph_plugin.fp8.MasterWeightAdamW (per-tensor FP8 weights" in msg, msg
     assert module.global_step == 0
 
 

@@ -376,6 +376,20 @@ def test_configure_optimizers_and_schedule():
     assert isinstance(plain, torch.optim.AdamW)
 
 
+def test_fp8_weights_train_under_the_fp32_master_adamw_with_the_same_groups_and_schedule():
+    from nemo_cudagraph_plugin.fp8 import MasterWeightAdamW
+
+    model = gpt.GPT(_small_cfg())  # the FP8 model needs TE; the optimizer choice follows the fp8 flag
+    module = GPTLightningModule(model=model, fp8=True, lr=1e-3, weight_decay=0.1, warmup_steps=10, max_steps=110)
+    conf = module.configure_optimizers()
+    opt = conf["optimizer"]
+    assert isinstance(opt, MasterWeightAdamW) and not isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0 and decay["betas"] == (0.9, 0.95)
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert float(decay["lr"]) == pytest.approx(1e-4)  # the LambdaLR's first warm-up step
+
+
 def test_training_step_returns_and_logs_loss(monkeypatch):
     module = GPTLightningModule(_small_cfg())
     logged = {}

@@ -127,6 +127,8 @@ class UserAdamGPT(TinyGPT):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         rest = [p for p in self.parameters() if p.dim() < 2]
         kw = {"lr": LR, "betas": (0.9, 0.95), **self.opt_kw}
+        if callable(kw["lr"]):  # a tensor lr: a new one for each fit (a scheduler writes it in place)
+            kw["lr"] = kw["lr"]()
         cls = kw.pop("cls", torch.optim.AdamW)
         opt = cls([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], **kw)
         if not self.schedule:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from _tape import TapeBackend
@@ -118,6 +119,8 @@ CASES = {
     "adamw-fused-clip-accumulate": ({"fused": True}, {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}),
     "adam-fused-amsgrad-bf16-true": ({"cls": torch.optim.Adam, "fused": True, "amsgrad": True},
                                      {"precision": "bf16-true"}),
+    # the kernel reads a tensor lr from the device: the graph reads the group's current tensor's value
+    "adamw-fused-tensor-lr": ({"fused": True, "lr": lambda: torch.tensor(LR)}, {}),
 }
 
 
@@ -129,6 +132,36 @@ def test_a_graphed_fit_with_the_users_fused_adamw_equals_their_eager_fit_bitwise
     stats = g[2].stats
     assert stats.replays > 0 and stats.optimizer_math == ""
     assert _same(g, e), "the graphed fit differs from the user's eager fit"
+
+
+class _SetLr(pl.Callback):
+    """Assigns a new ``lr`` (a value, or a factory of one) to every group before the given batches."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx in self.at:
+            new = self.at[batch_idx]
+            for g in trainer.optimizers[0].param_groups:
+                g["lr"] = new() if callable(new) else new
+
+
+@pytest.mark.parametrize("case,at", [
+    ("tensor-replaced", {5: lambda: torch.tensor(1e-4)}),
+    ("tensor-to-float", {5: 2e-4}),
+    ("float-to-tensor", {5: lambda: torch.tensor(2e-4, dtype=torch.float64)}),
+])
+def test_a_group_lr_replaced_between_steps_is_what_the_graph_reads(case, at):
+    opt_kw = {"fused": True, "lr": (lambda: torch.tensor(LR)) if case.startswith("tensor") else LR}
+    kw = {"opt_kw": opt_kw, "steps": 10}
+    e = _fit(False, callbacks=[_SetLr(at)], **kw)
+    g = _fit(True, callbacks=[_SetLr(at)], **kw)
+    stats = g[2].stats
+    assert stats.replays > 0 and stats.optimizer_math == ""
+    assert _same(g, e), "the graphed fit differs from the user's eager fit"
+    if case != "tensor-replaced":  # another kernel: captured again
+        assert stats.captures == 2, stats.summary()
 
 
 def test_the_prep_captures_the_fused_update_and_gives_the_optimizer_back_as_it_was():

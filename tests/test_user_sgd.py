@@ -313,8 +313,10 @@ def test_not_covered_sgd_keeps_the_capturable_preparation_and_says_why(monkeypat
 def test_a_fused_adam_keeps_the_users_math_and_says_why_where_it_cannot():
     p = nn.Parameter(torch.ones(4))
     assert user_fused_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=True), "cpu") is None
-    tensor_lr = torch.optim.AdamW([p], lr=torch.tensor(LR), fused=True)
-    assert "tensor lr" in user_fused_adam.why_not(tensor_lr, "cpu")
+    tensor_lr = torch.optim.AdamW([p], lr=torch.tensor(LR), fused=True)  # the kernel reads it: the user's own
+    assert user_fused_adam.why_not(tensor_lr, "cpu") is None
+    tensor_betas = torch.optim.AdamW([p], lr=LR, betas=(torch.tensor(0.9), torch.tensor(0.99)), fused=True)
+    assert "tensor betas" in user_fused_adam.why_not(tensor_betas, "cpu")
     skip = user_fused_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=True), "cpu", skip_nonfinite=True)
     assert "nan_action='skip'" in skip
 

@@ -229,6 +229,12 @@ class OptimizerPrep:
             return
         fused = fam == "SGD" or (self.skip_nonfinite and fam in ("Adam", "AdamW"))
         lr_t, betas_t = self.tensor_hparams or probe_tensor_hyperparams(opt, self.device, fused)
+        # An optimizer of its own whose groups hold lr as float32 tensors on the device (TE's FusedAdam and
+        # MasterWeightAdamW built capturable) reads them in its update: they are followed like ours, so a float a
+        # scheduler or the user assigns between steps reaches the graph too.
+        lr_t = lr_t or (fam is None and bool(opt.param_groups) and all(
+            isinstance(g["lr"], Tensor) and g["lr"].device == self.device and g["lr"].dtype == torch.float32
+            for g in opt.param_groups))
         self._live = []
         for i, group in enumerate(opt.param_groups):
             # A re-apply (after load_state_dict, or for a group added later) keeps the user's original settings.
@@ -264,7 +270,7 @@ class OptimizerPrep:
             set_found_inf(opt, self.found_inf)
         quiet_uncaptured_capturable(opt)
         own = built_capturable(opt) or (self._saved and all(s.get("capturable") for s in self._saved))
-        if fam is None and own and not self._live:
+        if fam is None and own:
             self.math_differs = ""  # the optimizer's own capturable update, which the preparation did not change
         self.freeze_scalars()
         self.applied = True
@@ -319,8 +325,8 @@ class OptimizerPrep:
             # would be baked in, so it gets device tensors too, and graphs without it are re-captured.
             self.apply()
             return f"param group {len(self._saved) - 1} added to the optimizer"
-        if self.user is not None:
-            self.user.sync()
+        if self.user is not None and (changed := self.user.sync()) is not None:
+            return changed
         for group, key, obj in self._live:
             cur = group[key]
             if cur is not obj:  # a scheduler assigned a new float/tuple: copy it into our tensors

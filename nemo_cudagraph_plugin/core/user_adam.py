@@ -295,7 +295,7 @@ class UserMathAdam(UserStep):
         return out
 
     # -- per step ------------------------------------------------------------------------------
-    def sync(self) -> None:
+    def sync(self) -> Optional[str]:
         """Before every step: copy changed float ``lr`` values to the device and fill the tables ahead."""
         taken = self.step_count() - self._count0 if self.step_count is not None else self._calls
         self._calls += 1

@@ -2,15 +2,18 @@
 
 torch's fused update (``torch/optim/adam.py``: ``_fused_adam``) keeps its step counters on the device, increments them
 there and computes the bias corrections in its kernel; the only value the host hands it that changes during training
-is the learning rate, a float64 kernel argument. (Given a tensor ``lr`` the kernel reads float32: not the user's
-double.) So the update here is torch's own call, ``adam()`` with the group's settings, with one change: inside a
-capture the learning rate is a sentinel (:mod:`.kernel_args`) that the graph's kernel nodes receive, and the backend
-sets those nodes' argument to the group's current float ``lr`` before each replay after it changed. Eager steps pass the
-float itself. Betas, eps and weight decay are constants of the graph (the engine re-captures when one changes).
+is the learning rate, a float64 kernel argument. So the update here is torch's own call, ``adam()`` with the group's
+settings, with one change: inside a capture the learning rate is a sentinel (:mod:`.kernel_args`) that the graph's
+kernel nodes receive, and the backend sets those nodes' argument to the group's current float ``lr`` before each replay
+after it changed. Eager steps pass the float itself. A group whose ``lr`` is a tensor (the kernel reads it from the
+device) passes a device tensor of the same dtype that takes the group's value before each step (``fill_`` from the
+user's tensor, wherever it lives and whichever object the group holds now): the kernel reads what it reads eagerly.
+A group whose ``lr`` turns from a float into a tensor or back is another kernel: the engine re-captures. Betas, eps and
+weight decay are constants of the graph (the engine re-captures when one changes).
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
-``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, every param group fused with a float ``lr``
-and float ``betas``, not differentiable, no ``nan_action="skip"`` (that needs ``found_inf``), and on CUDA a driver
+``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, every param group fused with a float or tensor
+``lr`` and float ``betas``, not differentiable, no ``nan_action="skip"`` (that needs ``found_inf``), and on CUDA a driver
 layer that can read and set captured kernels' arguments (``cuda-bindings``, CUDA 12.4+).
 """
 
@@ -51,8 +54,8 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
             return f"param group {i} is not fused while another is"
         if g.get("differentiable"):
             return f"param group {i} is differentiable"
-        if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
-            return f"param group {i} has a tensor lr or betas"
+        if any(isinstance(b, Tensor) for b in g["betas"]):
+            return f"param group {i} has tensor betas"
         if (why := plain_float32_params(i, g, device_type, set(), FUSED_DTYPES)) is not None:
             return why
     return None
@@ -71,9 +74,21 @@ class UserMathFusedAdam(UserStep):
         n = len(optimizer.param_groups)
         if isinstance(previous, UserMathFusedAdam) and len(previous.lrs.values) == n:
             # prepared again (a loaded state): the graphs captured before keep their sentinels, this object's values
+            # and its lr tensors
             self.lrs = previous.lrs
+            self.lr_tensors = previous.lr_tensors
         else:
-            self.lrs = HostScalars(float(g["lr"]) for g in optimizer.param_groups)
+            self.lrs = HostScalars(0.0 if isinstance(g["lr"], Tensor) else float(g["lr"])
+                                   for g in optimizer.param_groups)
+            #: per group: the device tensor the kernel reads where the group's ``lr`` is a tensor, else ``None``
+            self.lr_tensors: list[Optional[Tensor]] = [self._lr_tensor(g) for g in optimizer.param_groups]
+
+    def _lr_tensor(self, group: dict) -> Optional[Tensor]:
+        lr = group["lr"]
+        if not isinstance(lr, Tensor):
+            return None
+        device = group["params"][0].device if group["params"] else self.device
+        return torch.empty((), dtype=lr.dtype, device=device)
 
     def install(self) -> None:
         """Step counters on the device (where torch's fused update keeps them; a checkpoint of a non-fused run holds
@@ -85,17 +100,28 @@ class UserMathFusedAdam(UserStep):
         self.sync()
         self._take_step()
 
-    def sync(self) -> None:
-        """Before every step: the groups' float ``lr`` as the graphs' kernels will receive it."""
-        lrs = self.lrs
+    def sync(self) -> Optional[str]:
+        """Before every step: the groups' float ``lr`` as the graphs' kernels will receive it, a tensor ``lr`` copied
+        into the tensor they read (on the device, no host sync). Returns what changed kind (a float ``lr`` became a
+        tensor or back): graphs captured before hold the other kernel."""
+        lrs, changed = self.lrs, None
         for i, g in enumerate(self.optimizer.param_groups):
-            lrs.set(i, g["lr"])
+            lr, own = g["lr"], self.lr_tensors[i]
+            if isinstance(lr, Tensor) != (own is not None) or (own is not None and own.dtype != lr.dtype):
+                self.lr_tensors[i] = own = self._lr_tensor(g)
+                changed = f"param group {i}: lr is now a {'tensor' if own is not None else 'float'}"
+            if own is not None:
+                own.fill_(lr.reshape(()))
+            else:
+                lrs.set(i, lr)
+        return changed
 
     def tensors(self) -> list[tuple[str, Tensor]]:
-        return []  # the update reads no device tensor besides the optimizer state
+        return [(f"param group {i} lr tensor", t) for i, t in enumerate(self.lr_tensors) if t is not None]
 
     def _update(self, opt: torch.optim.Optimizer) -> None:
         for i, group in enumerate(opt.param_groups):
             lists = adam_init_group(opt, group)
             if lists.params:
-                adam_functional(opt, group, *lists, lr=self.lrs.argument(i))
+                own = self.lr_tensors[i]
+                adam_functional(opt, group, *lists, lr=self.lrs.argument(i) if own is None else own)

@@ -278,7 +278,7 @@ class UserMathSGD(UserStep):
         self.groups = [_Lr(float(g["lr"]), self.device) for g in self.optimizer.param_groups]
         self._take_step()
 
-    def sync(self) -> None:
+    def sync(self) -> Optional[str]:
         for group, g in zip(self.optimizer.param_groups, self.groups):
             lr = group["lr"]
             if lr != g.value:

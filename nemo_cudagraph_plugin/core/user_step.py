@@ -52,8 +52,9 @@ class UserStep:
         """Every param group's update: torch's operations with the host's scalars read from the device."""
         raise NotImplementedError
 
-    def sync(self) -> None:
-        """Before every step: copy the host's changed float hyperparameters to the device."""
+    def sync(self) -> Optional[str]:
+        """Before every step: copy the host's changed float hyperparameters to the device. Returns what changed such
+        that graphs captured before no longer run the user's update (``None``: nothing)."""
         raise NotImplementedError
 
     def tensors(self) -> list[tuple[str, Tensor]]:

@@ -14,6 +14,8 @@ the backward GEMMs on Hopper) is stale. Eager TE rebuilds it; a CUDA graph does 
 * :func:`has_te_modules`, :func:`fp8_scaling_state` - TE modules in a model, and the scaling state TE's own
   kernels update (snapshotted around ``verify_steps``).
 * :mod:`.hazards` - RNG tracker, ``is_first_microbatch`` and delayed-scaling checks for capture.
+* :class:`MasterWeightAdamW` - AdamW on FP32 master weights that writes the FP8 weights from them in place after
+  each update: what FP8 primary weights need to train right, and capturable whole.
 * :mod:`.formats` - FP8 weights a fit cannot train right (a format the GPU does not run, an optimizer without FP32
   master weights), for the refusals before the first step.
 
@@ -34,6 +36,7 @@ from .hazards import (
     graph_safe_rng_generators,
     register_rng_generators,
 )
+from .master import MasterWeightAdamW
 from .refresh import (
     Fp8RefreshHandle,
     Fp8RefreshPlan,
@@ -48,6 +51,7 @@ from .verify import Fp8VerifyReport, StaleTransposeError, verify_fp8_transposes
 
 __all__ = [
     "FirstMicrobatchCheck",
+    "MasterWeightAdamW",
     "Fp8RefreshHandle",
     "Fp8RefreshPlan",
     "Fp8VerifyReport",

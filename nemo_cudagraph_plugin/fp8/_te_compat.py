@@ -66,6 +66,8 @@ __all__ = [
     "expected_generation",
     "fp8_enabled",
     "format_unsupported",
+    "fp8_element_format",
+    "high_precision_value",
     "is_fp8_tensor",
     "is_te_optimizer",
     "looks_like_fp8_tensor",
@@ -81,6 +83,7 @@ __all__ = [
     "te_version",
     "transpose_buffer",
     "transpose_flagged_invalid",
+    "write_per_tensor_fp8",
 ]
 
 Generation = Literal["te1.6", "te1.8", "te2"]
@@ -182,6 +185,54 @@ def transpose_flagged_invalid(t: Any) -> bool:
 def reset_caches(t: Any) -> None:
     """``t._reset_caches()``: marks the cache stale; never frees it in any supported TE."""
     t._reset_caches()
+
+
+# FP8 element formats by the name of TE's ``tex.DType`` member (``_fp8_dtype``): torch's dtype and its largest finite
+# value (E4M3: 448, E5M2: 57344).
+_FP8_FORMATS = {"E4M3": (torch.float8_e4m3fn, 448.0), "E5M2": (torch.float8_e5m2, 57344.0)}
+
+
+def fp8_element_format(t: Any) -> Optional[tuple[torch.dtype, float]]:
+    """``(torch FP8 dtype, largest finite value)`` of a ``Float8Tensor``'s bytes, from ``_fp8_dtype`` (TE's
+    ``tex.DType.kFloat8E4M3`` / ``kFloat8E5M2``); ``None`` when it is neither."""
+    name = str(getattr(t, "_fp8_dtype", ""))
+    for key, fmt in _FP8_FORMATS.items():
+        if key in name.upper():
+            return fmt
+    return None
+
+
+def high_precision_value(t: Any) -> Tensor:
+    """The value an FP32 master weight of ``t`` starts from: TE's kept initial value (``te.quantized_model_init(...,
+    preserve_high_precision_init_val=True)``: ``get_high_precision_init_val()``, freed here once read), else the
+    dequantized FP8 value."""
+    get = getattr(t, "get_high_precision_init_val", None)
+    value = get() if callable(get) else None
+    if value is None:
+        return t.dequantize(dtype=torch.float32)
+    clear = getattr(t, "clear_high_precision_init_val", None)
+    if callable(clear):
+        clear()
+    return value
+
+
+def write_per_tensor_fp8(t: Any, master: Tensor, fmt: tuple[torch.dtype, float], *, reset: bool = True) -> None:
+    """Quantize ``master`` into ``Float8Tensor`` ``t`` in place with per-tensor current scaling: ``scale = fmt max /
+    amax(master)``, the FP8 bytes into ``_data`` and ``1 / scale`` into ``_scale_inv`` (what TE's GEMMs read for a
+    quantized weight, whatever recipe made it). Device ops only (a TE quantizer called inside a CUDA-graph capture
+    records a host copy that fails on replay, measured on TE 2.20), so the write is captured with the step.
+    ``_reset_caches()`` first: TE's contract for an in-place write, so eager TE rebuilds the transpose before its
+    next use (inside a graph the FP8 refresh rewrites it); ``reset=False`` writes the bytes only, as an all-gather into
+    a distributed optimizer's parameter buffer does."""
+    dtype, fmax = fmt
+    if reset:
+        t._reset_caches()
+    data = t._data
+    src = master.detach().float()
+    scale = fmax / src.abs().amax().clamp_min(1e-12)  # an all-zero master: any finite scale writes zeros
+    q = (src * scale).clamp_(-fmax, fmax).to(dtype)
+    data.copy_(q.view(torch.uint8).view(data.shape) if data.dtype == torch.uint8 else q.view(data.dtype))
+    t._scale_inv.copy_(scale.reciprocal().reshape(t._scale_inv.shape))
 
 
 def mark_transpose_valid(t: Any) -> None:

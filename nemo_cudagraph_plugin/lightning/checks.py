@@ -178,10 +178,10 @@ def fp8_refusal(trainer: Any, pl_module: Any) -> Optional[Refusal]:
                 f"configure_optimizers returns {type(opt).__name__}, and parameter {name!r} is a TransformerEngine "
                 f"{kind} (a quantized primary weight, from te.quantized_model_init){_more(n, 'quantized parameter')}"
                 f": {masterless.how}. Use an optimizer that keeps FP32 master weights and writes the quantized "
-                "weights from them in its step (TransformerEngine's FusedAdam(master_weights=True), without CUDA "
-                "graphs: TE refuses capturable=True with FP8 weights; or your own, whose capturable step updates FP32 "
-                "masters and writes the FP8 weights in place), or keep high-precision weights (build the model "
-                "without te.quantized_model_init) and let te.autocast quantize them for each GEMM",
+                "weights from them in its step: nemo_cudagraph_plugin.fp8.MasterWeightAdamW (per-tensor FP8 weights; "
+                "its step is captured with the rest), or TransformerEngine's FusedAdam(master_weights=True) without "
+                "CUDA graphs (TE refuses capturable=True with FP8 weights); or keep high-precision weights (build the "
+                "model without te.quantized_model_init) and let te.autocast quantize them for each GEMM",
                 eager_too=True,
             )
         held = formats.quantized_params(opt, names) if formats.is_te_fused_adam(opt) else []

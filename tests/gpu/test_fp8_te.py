@@ -175,3 +175,57 @@ def test_te_rng_tracker_registered_with_graph_advances_each_replay():
     first = out.clone()
     graph.replay()
     assert not torch.equal(first, out), "a registered tracker generator must advance on every replay"
+
+
+def test_the_recipes_fp8_model_trains_graphed_with_master_weight_adamw_as_it_does_eagerly():
+    """The recipe's ``--fp8`` path as a user runs it: FP8 primary weights, ``MasterWeightAdamW`` (decay groups, warm-up
+    and cosine ``LambdaLR`` every step), graphed whole by ``CudaGraphCallback`` against the same fit without it."""
+    import lightning.pytorch as pl
+
+    from benchmarks import fp8_lightning as lb
+    from nemo_cudagraph_plugin import CudaGraphCallback
+    from nemo_cudagraph_plugin.fp8 import MasterWeightAdamW, verify_fp8_transposes
+    from recipes.gpt import GPTDataModule, GPTLightningModule, get_config
+
+    steps = 60
+
+    class Losses(pl.Callback):
+        def __init__(self):
+            self.losses, self.lrs, self.stale, self.opt = [], [], -1, None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach().float())
+
+        def on_train_end(self, trainer, pl_module):
+            self.stale = len(verify_fp8_transposes(pl_module).stale)
+            self.opt = trainer.optimizers[0]
+            self.lrs = [float(g["lr"]) for g in self.opt.param_groups]
+
+    def fit(graphed):
+        pl.seed_everything(0, verbose=False)
+        cfg = get_config("tiny")
+        dm = GPTDataModule(seq_len=cfg.seq_len, batch_size=cfg.batch_size, train_samples=steps * cfg.batch_size,
+                           seed=0)
+        module = GPTLightningModule(cfg.replace(vocab_size=dm.vocab_size), fp8=True, fp8_recipe=lb.make_recipe(None),
+                                    warmup_steps=10, max_steps=steps)
+        rec = Losses()
+        cbs = [CudaGraphCallback(), rec] if graphed else [rec]
+        trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, callbacks=cbs,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(module, datamodule=dm)
+        return rec, (cbs[0].stats if graphed else None)
+
+    eager, _ = fit(False)
+    graphed, stats = fit(True)
+    assert isinstance(graphed.opt, MasterWeightAdamW)
+    assert not stats.eager_reasons and stats.replays >= steps - 10, stats.summary()
+    e = torch.stack(eager.losses).cpu()
+    g = torch.stack(graphed.losses).cpu()
+    dev = float(((g - e).abs() / e.abs().clamp_min(lb.LOSS_FLOOR)).max())
+    _RESULTS["recipe_master_weight_adamw"] = {"steps": steps, "replays": stats.replays, "loss_dev_max": dev,
+                                              "loss_first": float(e[0]), "loss_last": float(e[-1]),
+                                              "bitwise": bool(torch.equal(g, e))}
+    assert float(e[-1]) < 0.7 * float(e[0]), "the task must be learnable"
+    assert dev <= lb.PARITY_LOSS_DEV_MAX, dev
+    assert graphed.lrs == eager.lrs and graphed.stale == 0

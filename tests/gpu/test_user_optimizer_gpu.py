@@ -39,7 +39,10 @@ FORMS = {
 # torch's fused update: its float lr is a kernel argument, set in the graph before each replay (core/kernel_args.py)
 FUSED = {"adamw-fused": (torch.optim.AdamW, {**ADAM, "fused": True}),
          "adam-fused-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "fused": True, "amsgrad": True, "maximize": True,
-                                                           "weight_decay": 0.01})}
+                                                           "weight_decay": 0.01}),
+         # a tensor lr, which the kernel reads from the device (a new one per fit: the scheduler writes it in place)
+         "adamw-fused-tensor-lr": (torch.optim.AdamW, {**ADAM, "fused": True,
+                                                       "lr": lambda: torch.tensor(LR, device="cuda")})}
 # torch's for-loop update again: fused=False with foreach unset runs it too (amsgrad: the denominator from the maximum)
 FOR_LOOP = {"adam-for-loop-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "fused": False, "amsgrad": True,
                                                                   "maximize": True, "weight_decay": 0.01})}
@@ -54,7 +57,7 @@ def module(form: str, precision: str):
         out = groups_of(self)
         opt = out["optimizer"]
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
-        user = cls(groups, **kw)  # the user's optimizer, as they write it
+        user = cls(groups, **{k: v() if callable(v) else v for k, v in kw.items()})  # as the user writes it
         out["optimizer"] = user
         out["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(user, self.lr_lambda)
         return out
