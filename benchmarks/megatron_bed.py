@@ -14,6 +14,8 @@ step through ``get_forward_backward_func()``. One process runs one arm and write
     python benchmarks/megatron_bed.py report eager_a.json eager_b.json layer.json full.json ... \
         --md record.md --json record.json
 
+``--shape 1b`` gives the arm a 0.94 B-parameter model at sequence 2048 (:data:`SHAPES`) in place of the small default.
+
 The report groups arms by what they compute (``GROUP_FIELDS``: precision, FP8 primary weights, fused wgrad,
 steps, model and data sizes, seed, lr): each arm is compared with the first plain eager arm of its own group, and
 the group's second eager arm gives the eager-vs-eager noise floor. Mode, tag, timing/verification and the graph
@@ -78,6 +80,15 @@ if _ROOT not in sys.path:
 
 MODES = ("eager", "layer", "full")
 
+#: ``--shape NAME``: the model and data sizes of an arm (flags given after it win). ``small``: the defaults, 100+ steps
+#: in seconds. ``1b``: 16 layers of hidden 2048 (16 heads, FFN 8192), vocabulary 32000, sequence 2048, 4 microbatches
+#: of 1: 0.94 B parameters, the size FP8 is turned on for; 40 M-parameter buckets (megatron-core's default size).
+SHAPES: dict[str, dict[str, int]] = {
+    "small": {},
+    "1b": {"layers": 16, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_length": 2048, "micro_batch_size": 1,
+           "microbatches": 4, "bucket_params": 40_000_000, "steps": 60},
+}
+
 
 @dataclasses.dataclass
 class BedConfig:
@@ -137,8 +148,11 @@ class BedConfig:
 
 def parse_args(argv: Optional[list[str]] = None) -> BedConfig:
     """Command line of one arm (``run``, the default) -> :class:`BedConfig`."""
-    p = argparse.ArgumentParser(prog="megatron_bed.py", description=__doc__.split("\n\n")[0])
-    d = BedConfig()
+    shape = argparse.ArgumentParser(add_help=False)
+    shape.add_argument("--shape", choices=tuple(SHAPES), default="small")
+    known, _ = shape.parse_known_args(argv)
+    p = argparse.ArgumentParser(prog="megatron_bed.py", description=__doc__.split("\n\n")[0], parents=[shape])
+    d = dataclasses.replace(BedConfig(), **SHAPES[known.shape])
     p.add_argument("--mode", choices=MODES, default=d.mode)
     for name in ("steps", "microbatches", "micro_batch_size", "seq_length", "layers", "hidden", "heads", "vocab",
                  "warmup_steps", "seed", "bucket_params", "force_sync_every", "verify_every", "timing_skip",
@@ -159,6 +173,13 @@ def parse_args(argv: Optional[list[str]] = None) -> BedConfig:
 # ------------------------------------------------------------------------------------------------------------
 # Configs (no GPU needed)
 # ------------------------------------------------------------------------------------------------------------
+
+
+def parameter_count(cfg: BedConfig) -> int:
+    """The GPT's parameters: embedding and untied output layer, per layer attention (4 h^2), MLP (8 h^2) and two
+    RMSNorms (2 h), the final norm."""
+    h = cfg.hidden
+    return 2 * cfg.vocab * h + cfg.layers * (12 * h * h + 2 * h) + h
 
 
 def transformer_config(cfg: BedConfig) -> tuple[Any, dict[str, Any]]:

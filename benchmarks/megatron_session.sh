@@ -5,6 +5,7 @@
 #   OUT=/some/dir bash benchmarks/megatron_session.sh                   (carry .te/final and .whl)
 #   OUT=/some/dir ARMS=bf16layer bash benchmarks/megatron_session.sh    (the per-layer set, below)
 #   OUT=/some/dir ARMS=layerdiag bash benchmarks/megatron_session.sh    (why per-layer graphs differ, below)
+#   OUT=/some/dir ARMS=1b RUN_BUDGET=540 bash benchmarks/megatron_session.sh   (the 1 B shape, below)
 #
 # Installs TE (.te/final/install_on_host.sh, slices already in /tmp/te) unless it imports, then the carried
 # megatron-core wheel (.whl/), then runs the arms of benchmarks/megatron_bed.py, each in its own process with its
@@ -28,6 +29,9 @@
 #              per-layer graphs with --keep-graph-inputs (the layer graphs' forward input buffers kept out of
 #              megatron-core's reuse pool, as core_v0.18.0 does), each with per-parameter main_grad fingerprints at
 #              steps 0-2; then a second bf16 eager arm (the fingerprints' eager-vs-eager check).
+#   1b         The 1 B shape (--shape 1b: 16 layers, hidden 2048, sequence 2048, 4 microbatches of 1) with FP8 primary
+#              weights: eager, the whole-iteration graph, a second eager arm (noise floor), then per-layer graphs
+#              (megatron-core 0.16.1 fails their first replay with FP8 primary weights; the record keeps why).
 set -u
 START=$SECONDS
 RUN_START=$SECONDS
@@ -66,8 +70,8 @@ part() {
 }
 
 case "$ARMS" in
-    default | bf16layer | layerdiag) ;;
-    *) echo "ARMS=$ARMS: use ARMS=default, ARMS=bf16layer or ARMS=layerdiag" >&2; exit 2 ;;
+    default | bf16layer | layerdiag | 1b) ;;
+    *) echo "ARMS=$ARMS: use ARMS=default, ARMS=bf16layer, ARMS=layerdiag or ARMS=1b" >&2; exit 2 ;;
 esac
 say "arm set: $ARMS"
 
@@ -163,8 +167,19 @@ layerdiag_arms() {
     part dg_bf_eager_b 60 $BED --mode eager --fp8 none $DG --tag dg_bf_eager_b --out "$P/dg_bf_eager_b.json"
 }
 
+# ARMS=1b: 60 steps of the 1 B shape, FP8 transposes checked every 20 steps (outside the timed steps).
+BIG="--shape 1b --verify-every 20 --param-gather-refresh"
+big_arms() {
+    part b1_eager_a 150 $BED --mode eager $BIG --tag b1_eager_a --out "$P/b1_eager_a.json"
+    part b1_full 150 $BED --mode full $BIG --tag b1_full --out "$P/b1_full.json"
+    part b1_eager_b 150 $BED --mode eager $BIG --tag b1_eager_b --out "$P/b1_eager_b.json"
+    part b1_layer 120 $BED --mode layer $BIG --tag b1_layer --out "$P/b1_layer.json"
+}
+
 if [ "$ARMS" = default ]; then
     default_arms
+elif [ "$ARMS" = 1b ]; then
+    big_arms
 elif [ "$ARMS" = layerdiag ]; then
     layerdiag_arms
 else

@@ -54,6 +54,21 @@ def test_arguments_and_their_checks():
         bed.parse_args(["--grad-fingerprints", "-1"])
 
 
+def test_the_1b_shape_sets_the_sizes_and_flags_given_after_it_win():
+    cfg = bed.parse_args(["--shape", "1b", "--mode", "full"])
+    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.seq_length, cfg.micro_batch_size, cfg.microbatches) == \
+        (16, 2048, 16, 2048, 1, 4)
+    assert 0.9e9 < bed.parameter_count(cfg) < 1.0e9 and cfg.bucket_params == 40_000_000 and cfg.tag == "full"
+    assert bed.parse_args(["--shape", "1b", "--steps", "7", "--layers", "2"]).steps == 7
+    assert bed.parse_args(["--layers", "2", "--shape", "1b"]).layers == 2
+    small = bed.parse_args([])
+    assert (small.layers, small.hidden, small.steps) == (2, 256, 120)
+    # a 1 B arm is a configuration group of its own: never compared with a small arm's eager reference
+    assert bed.group_key({"config": dataclasses.asdict(cfg)}) != bed.group_key({"config": dataclasses.asdict(small)})
+    with pytest.raises(SystemExit):
+        bed.parse_args(["--shape", "7b"])
+
+
 def _rec(tag, losses, grad_norms=None, mode="layer", graphs=None, **extra):
     rec = {"tag": tag, "mode": mode, "losses": losses, "grad_norms": grad_norms or [1.0] * len(losses),
            "ms": [10.0] * len(losses), "excluded_steps": [], "fp8_checks": [], "graphs": graphs, "error": None}
@@ -314,7 +329,7 @@ def test_bf16layer_set_puts_bf16_first_when_np_per_layer_fails_and_keeps_the_bud
     bad = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "megatron_session.sh")], cwd=ROOT,
                          env={**os.environ, "OUT": str(tmp_path / "bad"), "ARMS": "bf16"}, capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 2 and "use ARMS=default, ARMS=bf16layer or ARMS=layerdiag" in bad.stderr
+    assert bad.returncode == 2 and "use ARMS=default, ARMS=bf16layer, ARMS=layerdiag or ARMS=1b" in bad.stderr
 
 
 DG = ["dg_bf_eager", "dg_bf_layer", "dg_bf_keep", "dg_np_eager", "dg_np_layer", "dg_np_keep", "dg_bf_eager_b"]
@@ -333,6 +348,19 @@ def test_layerdiag_set_compares_each_per_layer_arm_with_its_configs_eager_with_f
     assert {t: r["reference"] for t, r in rows.items()} == {
         t: ("dg_bf_eager" if t.startswith("dg_bf") else "dg_np_eager") for t in DG}
     assert rows["dg_bf_eager_b"]["verdict"] == "bitwise" and rows["dg_bf_eager"]["noise_arm"] == "dg_bf_eager_b"
+
+
+def test_1b_set_runs_the_1b_shape_and_compares_each_arm_with_its_own_eager(tmp_path):
+    arms = ["b1_eager_a", "b1_full", "b1_eager_b", "b1_layer"]
+    proc, ran, out = _fake_session(tmp_path, ARMS="1b", TOTAL_BUDGET="1000", RUN_BUDGET="1000")
+    assert proc.returncode == 0, proc.stderr
+    assert ran == [*arms, "gpu_test"], ran
+    log = (out / "session.log").read_text()
+    for tag in arms:
+        assert "--shape 1b" in re.search(rf"^===== {tag} .*$", log, re.M).group(0)
+    rows = {r["tag"]: r for r in json.loads((out / "megatron_record.json").read_text())["summary"]["rows"]}
+    assert {t: r["reference"] for t, r in rows.items()} == dict.fromkeys(arms, "b1_eager_a")
+    assert rows["b1_eager_a"]["noise_arm"] == "b1_eager_b"
 
 
 # -- real megatron-core ------------------------------------------------------------------------------------------
@@ -360,6 +388,9 @@ def test_each_arm_config_goes_through_the_flag_function():
     tc, info = bed.transformer_config(bed.parse_args(["--mode", "layer", "--break-grad-added",
                                                       "--guard-fused-wgrad"]))
     assert tc.gradient_accumulation_fusion is False and "#1279" in info["notes"][0]
+    tc, info = bed.transformer_config(bed.parse_args(["--shape", "1b", "--mode", "full"]))
+    assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads, tc.ffn_hidden_size) == (16, 2048, 16, 8192)
+    assert tc.fp8_param and info["full_iteration"]
     ddp = bed.ddp_config(bed.parse_args([]))
     assert ddp.overlap_param_gather and ddp.overlap_grad_reduce and ddp.use_distributed_optimizer
     assert ddp.fp8_param_gather and not ddp.check_for_nan_in_grad

@@ -87,8 +87,12 @@ ARMS = {
        for cfg, precision in (("bf", ["--fp8", "none"]), ("np", ["--no-fp8-params"]))
        for arm, mode, extra in (("eager", "eager", []), ("layer", "layer", []),
                                 ("keep", "layer", ["--keep-graph-inputs"]))},
+    # 1b set: the 1 B shape with FP8 primary weights (b1_)
+    **{f"b1_{arm}": ["--shape", "1b", "--mode", mode, "--verify-every", "20", "--param-gather-refresh"]
+       for arm, mode in (("eager_a", "eager"), ("eager_b", "eager"), ("full", "full"), ("layer", "layer"))},
 }
-SETS = {"default": [t for t in ARMS if t[:3] not in ("np_", "bf_", "dg_")],
+SETS = {"default": [t for t in ARMS if t[:3] not in ("np_", "bf_", "dg_", "b1_")],
+        "1b": [t for t in ARMS if t[:3] == "b1_"],
         "bf16layer": [t for t in ARMS if t[:3] in ("np_", "bf_")],
         "layerdiag": [t for t in ARMS if t[:3] == "dg_"]}
 GIVEN = os.environ.get("MEGATRON_BED_RECORDS")
@@ -103,7 +107,8 @@ def records(tmp_path_factory):
     for tag in tags:
         path = os.path.join(folder, f"{tag}.json")
         if not GIVEN:
-            cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "megatron_bed.py"), *ARMS[tag], "--steps", "30",
+            steps = "20" if tag.startswith("b1_") else "30"
+            cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "megatron_bed.py"), *ARMS[tag], "--steps", steps,
                    "--tag", tag, "--out", path]
             subprocess.run(cmd, cwd=ROOT, timeout=240, check=False)
         if os.path.exists(path):
@@ -139,7 +144,8 @@ def _get(records, tag):
 
 def _row(records, tag):
     """``tag``'s row of the report over every record present (each arm against its own group's eager arm)."""
-    set_ref = {"np_": "np_eager_a", "bf_": "bf_eager_a", "dg_": tag[:6] + "eager"}.get(tag[:3], "eager_a")
+    set_ref = {"np_": "np_eager_a", "bf_": "bf_eager_a", "dg_": tag[:6] + "eager", "b1_": "b1_eager_a"}.get(tag[:3],
+                                                                                                          "eager_a")
     _get(records, set_ref)  # its set's reference ran cleanly
     summary = megatron_bed.compare([r for t, r in records.items() if t != "_ran"])
     row = next(r for r in summary["rows"] if r["tag"] == tag)
@@ -188,7 +194,7 @@ def test_per_layer_graphs_equal_eager_once_saved_inputs_stay_out_of_the_reuse_po
     assert row["verdict"] in ("bitwise", "within eager noise"), (row, group)
 
 
-@pytest.mark.parametrize("tag", ["full", "np_full", "bf_full"])
+@pytest.mark.parametrize("tag", ["full", "np_full", "bf_full", "b1_full"])
 def test_full_iteration_graph_captured_and_equal_to_eager(records, tag):
     rec = _get(records, tag)
     g = rec["graphs"]
@@ -197,7 +203,7 @@ def test_full_iteration_graph_captured_and_equal_to_eager(records, tag):
     assert row["verdict"] in ("bitwise", "within eager noise"), (row, group)
 
 
-@pytest.mark.parametrize("tag", ["eager_a", "layer", "full"])
+@pytest.mark.parametrize("tag", ["eager_a", "layer", "full", "b1_eager_a", "b1_full"])
 def test_fp8_transposes_current_with_overlapped_all_gather(records, tag):
     rec = _get(records, tag)
     assert rec["fp8_params"] > 0 and rec["config"]["fp8_params"]
