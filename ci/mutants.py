@@ -1570,6 +1570,15 @@ MUTANTS: list[Mutant] = [
            (UFA + "test_a_group_lr_replaced_between_steps_is_what_the_graph_reads[float-to-tensor-at2]",),
            "a fused group's float lr replaced by a tensor keeps the graph of the float kernel, whose argument no "
            "longer follows the group"),
+    Mutant("fused-user-skip-flag-not-given", "cpu", OPTIM,
+           "            self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)  # 0-d, like GradScaler's\n"
+           "            set_found_inf(opt, self.found_inf)\n        self._live = []\n",
+           "            self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)  # 0-d, like GradScaler's\n"
+           "        self._live = []\n",
+           (LT + "test_nan_action_skip_drops_the_poisoned_update_inside_a_replay",
+            UFA + "test_nan_action_skip_keeps_the_users_fused_update_and_gives_its_kernel_the_flag"),
+           "nan_action='skip' with the user's own fused update: the guard raises its flag but the kernel never sees it, "
+           "and the poisoned update is applied"),
     Mutant("fp8-master-write-keeps-the-transpose-valid", "cpu", "nemo_cudagraph_plugin/fp8/_te_compat.py",
            "    if reset:\n        t._reset_caches()\n",
            "    pass\n",

@@ -1012,6 +1012,7 @@ def test_nan_action_skip_drops_the_poisoned_update_inside_a_replay():
         g = fit(steps=12, poison_at=7, module_kw={"poison_param": name}, cb_kw={"nan_action": "skip", "nan_check_every": 4},
                 callbacks=[Skipped()])
     assert g.stats.replays >= 8 and g.stats.skipped_steps == 1
+    assert g.stats.optimizer_math == ""  # the user's own fused update, its kernel given the flag
     # counted by the read queued at the poisoned step (the 8th: nan_check_every=4), not only by the one at fit end
     assert seen[:7] == [0] * 7 and seen[7:11] == [1] * 4
     assert any("skipped" in str(x.message) for x in w)

@@ -164,6 +164,24 @@ def test_a_group_lr_replaced_between_steps_is_what_the_graph_reads(case, at):
         assert stats.captures == 2, stats.summary()
 
 
+def test_nan_action_skip_keeps_the_users_fused_update_and_gives_its_kernel_the_flag():
+    # the fused kernel reads found_inf on the device: with no non-finite gradient the user's update, bit for bit
+    # (the poisoned step it skips: test_lightning_cpu's skip test, on the same path)
+    flags = []
+
+    class Flag(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            flags.append(getattr(trainer.optimizers[0], "found_inf", None))
+
+    e = _fit(False, {"fused": True})
+    g = _fit(True, {"fused": True}, cb_kw={"nan_action": "skip"}, callbacks=[Flag()])
+    stats = g[2].stats
+    assert stats.replays > 0 and stats.optimizer_math == "" and stats.skipped_steps == 0
+    assert _same(g, e), "the graphed fit differs from the user's eager fit"
+    assert flags and all(f is flags[0] and isinstance(f, torch.Tensor) for f in flags)
+    assert not hasattr(g[3].optimizers[0], "found_inf")  # given back as the user built it
+
+
 def test_the_prep_captures_the_fused_update_and_gives_the_optimizer_back_as_it_was():
     p = nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=LR, fused=True)

@@ -317,8 +317,9 @@ def test_a_fused_adam_keeps_the_users_math_and_says_why_where_it_cannot():
     assert user_fused_adam.why_not(tensor_lr, "cpu") is None
     tensor_betas = torch.optim.AdamW([p], lr=LR, betas=(torch.tensor(0.9), torch.tensor(0.99)), fused=True)
     assert "tensor betas" in user_fused_adam.why_not(tensor_betas, "cpu")
-    skip = user_fused_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=True), "cpu", skip_nonfinite=True)
-    assert "nan_action='skip'" in skip
+    # nan_action="skip": the fused kernel reads found_inf itself, so the user's update is kept
+    assert user_fused_adam.why_not(torch.optim.AdamW([p], lr=LR, fused=True), "cpu", skip_nonfinite=True) is None
+    assert "nan_action='skip'" in user_adam.why_not(torch.optim.AdamW([p], lr=LR, foreach=True), "cpu", True)
 
 
 def test_adam_with_fused_false_and_foreach_unset_runs_the_for_loop_update_on_cuda(monkeypatch):

@@ -296,6 +296,10 @@ class OptimizerPrep:
                      else user_fused_adam.UserMathFusedAdam(opt, self.device, previous) if fused
                      else user_adam.UserMathAdam(opt, self.device, self.step_count))
         self.user.install()
+        if self.skip_nonfinite and self.found_inf is None:
+            # only the fused update gets here with it (why_not): its kernel reads the flag and skips on the device
+            self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)  # 0-d, like GradScaler's
+            set_found_inf(opt, self.found_inf)
         self._live = []
         self.math_differs = ""
         self.freeze_scalars()

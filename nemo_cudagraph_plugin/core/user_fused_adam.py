@@ -13,8 +13,9 @@ weight decay are constants of the graph (the engine re-captures when one changes
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
 ``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, every param group fused with a float or tensor
-``lr`` and float ``betas``, not differentiable, no ``nan_action="skip"`` (that needs ``found_inf``), and on CUDA a driver
-layer that can read and set captured kernels' arguments (``cuda-bindings``, CUDA 12.4+).
+``lr`` and float ``betas``, not differentiable, and on CUDA a driver layer that can read and set captured kernels'
+arguments (``cuda-bindings``, CUDA 12.4+). With ``nan_action="skip"`` the optimizer's ``found_inf`` is set, which torch's
+fused kernel reads on the device: a step whose gradients went non-finite is skipped, any other is the user's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from . import _cuda_nodes
 from ._torch_compat import adam_functional, adam_init_group
 from .adam_step import not_torchs_adam, plain_float32_params
 from .kernel_args import HostScalars
-from .user_step import SKIP_NONFINITE, UserStep
+from .user_step import UserStep
 
 __all__ = ["UserMathFusedAdam", "all_fused", "why_not"]
 
@@ -45,8 +46,8 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
     """Why the user's own fused update cannot be captured for ``optimizer`` (``None``: it can)."""
     if (why := not_torchs_adam(optimizer)) is not None:
         return why
-    if skip_nonfinite:
-        return SKIP_NONFINITE
+    # nan_action="skip": the fused kernel reads found_inf itself (OptimizerPrep sets it); with no non-finite gradient
+    # the update is the same
     if device_type == "cuda" and (why := _cuda_nodes.scalar_args_unavailable()) is not None:
         return f"its learning rate cannot be set in the graph before each replay ({why})"
     for i, g in enumerate(optimizer.param_groups):

@@ -183,6 +183,12 @@ def test_the_fused_update_with_accumulation_and_verify_steps_equals_the_users_ea
     assert_bitwise(g, run(False, "adamw-fused", "32-true", 60, **kw))
 
 
+def test_the_fused_update_with_nan_action_skip_equals_the_users_eager_run():
+    # the kernel reads the guard's found_inf on the device; with no non-finite gradient it is the user's update
+    g = run(True, "adamw-fused", "32-true", 60, cb_kw={"nan_action": "skip"}, gradient_clip_val=1.0)
+    assert_bitwise(g, run(False, "adamw-fused", "32-true", 60, gradient_clip_val=1.0))
+
+
 def test_the_fused_kernels_lr_argument_is_set_in_the_graph_before_each_replay():
     # torch's fused AdamW captured through the backend: every launch's lr argument found and set, the replays equal to
     # torch's eager fused step at each new lr (a sentinel left in a launch would turn its parameters NaN)
