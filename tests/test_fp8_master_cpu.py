@@ -24,9 +24,9 @@ def _quantized(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale.reciprocal().reshape(1)
 
 
-def _params(seed=0):
+def _params(seed=0, generation="te2"):
     g = torch.Generator().manual_seed(seed)
-    w = quantized_fp8_param(torch.randn(8, 4, generator=g) * 0.1)
+    w = quantized_fp8_param(torch.randn(8, 4, generator=g) * 0.1, generation=generation)
     b = torch.nn.Parameter((torch.randn(4, generator=g) * 0.1).bfloat16())
     h = torch.nn.Parameter(torch.randn(4, 2, generator=g) * 0.1)
     return w, b, h
@@ -35,8 +35,9 @@ def _params(seed=0):
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
-def test_each_step_updates_fp32_masters_with_adamw_and_writes_every_weight_from_its_master():
-    w, b, h = _params()
+@pytest.mark.parametrize("generation", ["te1.6", "te1.8", "te2"])  # each Float8Tensor shape the package supports
+def test_each_step_updates_fp32_masters_with_adamw_and_writes_every_weight_from_its_master(generation):
+    w, b, h = _params(generation=generation)
     opt = MasterWeightAdamW([w, b, h], **HP)
     masters = [torch.nn.Parameter(w.dequantize().clone()), torch.nn.Parameter(b.detach().float()),
                torch.nn.Parameter(h.detach().clone())]
