@@ -470,7 +470,8 @@ def run(cfg: BedConfig) -> dict[str, Any]:
     # cuBLAS workspaces); set before TE picks an attention backend.
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    rec: dict[str, Any] = {"tag": cfg.tag, "mode": cfg.mode, "config": dataclasses.asdict(cfg), "error": None,
+    rec: dict[str, Any] = {"tag": cfg.tag, "mode": cfg.mode, "config": dataclasses.asdict(cfg),
+                           "parameters": parameter_count(cfg), "error": None,
                            "losses": [], "grad_norms": [], "ms": [], "excluded_steps": [], "fp8_checks": [],
                            "events": [], "grad_fingerprints": {}}
     try:

@@ -83,10 +83,6 @@ class _OwnMasterAdam(torch.optim.Optimizer):
         return loss
 
 
-def _master_adamw(params):
-    return _OwnMasterAdam(params)
-
-
 # -- 1. a quantized format the GPU does not run -----------------------------------------------------------------
 @pytest.mark.parametrize("kind,gpu,rule", [
     ("MXFP8Tensor", H100, "MXFP8 on compute capability 10.0 or higher"),
@@ -96,7 +92,7 @@ def _master_adamw(params):
 ], ids=["mxfp8-hopper", "nvfp4-hopper", "mxfp8-sm120", "block-scaling-cuda12.8"])
 def test_a_format_the_gpu_does_not_run_is_refused_before_the_first_step(on_gpu, kind, gpu, rule):
     on_gpu(gpu)
-    module = _Lit(kind, _master_adamw)
+    module = _Lit(kind, _OwnMasterAdam)
     with pytest.raises(CaptureError) as ei:
         _fit(module, CudaGraphCallback())
     msg = str(ei.value)
@@ -110,18 +106,18 @@ def test_a_format_the_gpu_does_not_run_is_refused_before_the_first_step(on_gpu, 
 def test_on_hopper_the_fix_names_the_recipes_hopper_runs(on_gpu):
     on_gpu(H100_CU129)
     with pytest.raises(CaptureError) as ei:
-        _fit(_Lit("MXFP8Tensor", _master_adamw), CudaGraphCallback())
+        _fit(_Lit("MXFP8Tensor", _OwnMasterAdam), CudaGraphCallback())
     assert "DelayedScaling(), Float8CurrentScaling() or Float8BlockScaling()" in str(ei.value)
     assert "MXFP8BlockScaling()" in str(ei.value)  # what the weights were built with
     on_gpu(H100)  # CUDA 12.8: no block scaling
     with pytest.raises(CaptureError, match=r"to te.autocast: DelayedScaling\(\) or Float8CurrentScaling\(\)\. "):
-        _fit(_Lit("NVFP4Tensor", _master_adamw), CudaGraphCallback())
+        _fit(_Lit("NVFP4Tensor", _OwnMasterAdam), CudaGraphCallback())
 
 
 def test_a_gpu_without_fp8_says_to_train_without_it(on_gpu):
     on_gpu(A100)
     with pytest.raises(CaptureError) as ei:
-        _fit(_Lit("Float8Tensor", _master_adamw), CudaGraphCallback())
+        _fit(_Lit("Float8Tensor", _OwnMasterAdam), CudaGraphCallback())
     msg = str(ei.value)
     assert "A100-SXM4-80GB (compute capability 8.0) cannot run: TransformerEngine runs FP8 on compute capability 8.9" in msg
     assert "runs no FP8 format of TransformerEngine: train without FP8" in msg, msg
@@ -130,9 +126,9 @@ def test_a_gpu_without_fp8_says_to_train_without_it(on_gpu):
 def test_the_refusal_holds_with_on_capture_error_eager_and_under_the_strategy(on_gpu):
     on_gpu(H100)
     with pytest.raises(CaptureError, match="on_capture_error='eager' would not help"):
-        _fit(_Lit("NVFP4Tensor", _master_adamw), CudaGraphCallback(on_capture_error="eager"))
+        _fit(_Lit("NVFP4Tensor", _OwnMasterAdam), CudaGraphCallback(on_capture_error="eager"))
     with pytest.raises(CaptureError, match=r"CudaGraphStrategy: .*'fc1_weight' is a TransformerEngine NVFP4Tensor"):
-        _fit(_Lit("NVFP4Tensor", _master_adamw), CudaGraphStrategy())
+        _fit(_Lit("NVFP4Tensor", _OwnMasterAdam), CudaGraphStrategy())
 
 
 @pytest.mark.parametrize("kind,gpu", [("Float8Tensor", H100), ("Float8BlockwiseQTensor", H100_CU129),
@@ -142,7 +138,7 @@ def test_a_format_the_gpu_runs_passes(on_gpu, kind, gpu):
     on_gpu(gpu)
     cb = CudaGraphCallback()
     with pytest.warns(UserWarning, match="no CUDA device"):  # past the FP8 checks: the CPU machine's soft refusal
-        _fit(_Lit(kind, _master_adamw), cb, steps=3)
+        _fit(_Lit(kind, _OwnMasterAdam), cb, steps=3)
     assert cb.stats.eager_reasons == {"no CUDA device": 3}
 
 
@@ -238,7 +234,7 @@ def test_frozen_fp8_weights_and_masters_only_optimizers_pass():
 
 
 def test_a_master_weight_optimizer_over_the_fp8_weights_passes():
-    module = _Lit("Float8Tensor", _master_adamw)
+    module = _Lit("Float8Tensor", _OwnMasterAdam)
     cb = CudaGraphCallback()
     with pytest.warns(UserWarning, match="no CUDA device"):
         trainer = _fit(module, cb, steps=3)

@@ -409,6 +409,7 @@ def test_a_run_without_cuda_ends_in_a_record_that_says_so(tmp_path):
     assert proc.returncode == 1
     rec = json.loads(out.read_text())
     assert "needs a CUDA device" in rec["error"] and rec["losses"] == []
+    assert rec["parameters"] == bed.parameter_count(bed.BedConfig())  # the model's size, in every record
     assert "BED layer:" in proc.stdout
 
 
