@@ -74,6 +74,7 @@ __all__ = [
     "make_fp8_module",
     "make_fp8_param",
     "quantized_fp8_param",
+    "run_closure",
     "te_named_param",
     "te_recipe",
     "transpose_is_current",
@@ -416,6 +417,14 @@ def write_fp8_bytes(
         param._reset_caches()
 
 
+def run_closure(closure: Any) -> Any:
+    """What torch's optimizers do with ``step(closure)`` first: the closure with gradients on (``None``: none)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class WritingOptimizer(torch.optim.Optimizer):
     """A master-weight-style optimizer whose ``step()`` writes new FP8 bytes into the doubles.
 
@@ -431,10 +440,7 @@ class WritingOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.steps += 1
         for group in self.param_groups:
             for p in group["params"]:
@@ -503,10 +509,7 @@ class TEFusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             if self.capturable:
                 group["step"] = group.get("step", torch.zeros(1, dtype=torch.int)) + 1

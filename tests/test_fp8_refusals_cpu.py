@@ -11,7 +11,7 @@ import types
 import lightning.pytorch as pl
 import pytest
 import torch
-from fp8_doubles import TEFusedAdam, make_fp8_param, te_named_param, te_recipe
+from fp8_doubles import TEFusedAdam, make_fp8_param, run_closure, te_named_param, te_recipe
 
 from nemo_cudagraph_plugin import CaptureError, CudaGraphCallback, CudaGraphStrategy
 from nemo_cudagraph_plugin.core.optim import OptimizerPrep, check_optimizer_supported
@@ -72,10 +72,7 @@ class _OwnMasterAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
