@@ -351,10 +351,41 @@ def test_the_eager_tail_and_scale_kernels_on_bf16_round_each_operation_as_torchs
     assert not torch.equal(ps[-1], (before[-1].float() * factor.bfloat16().float()).bfloat16())
 
 
+def test_the_for_loop_reciprocal_is_formed_in_double_or_in_float32_as_asked_bit_for_bit():
+    # CUDA's division by a Python float multiplies by a reciprocal the host forms: ``float32(1.0 / x)`` (the double's,
+    # rounded once) or ``1.0f / float32(x)``; device_scalars forms the one asked for, and the two differ on some steps
+    n = 20_000
+    table = ScalarTable(0.9, 0.999, torch.device("cpu"))
+    table.fill_to(n)
+    steps = torch.arange(1, n + 1, dtype=torch.float32)
+    lr = torch.tensor(LR, dtype=torch.float64)
+    bc2s = [(1 - 0.999 ** float(k)) ** 0.5 for k in range(1, n + 1)]
+    want_double = torch.tensor([1.0 / b for b in bc2s], dtype=torch.float64).to(torch.float32)
+    want_float = torch.ones((), dtype=torch.float32) / torch.tensor(bc2s, dtype=torch.float64).to(torch.float32)
+    _, got_double = device_scalars(table.values, steps, lr, "double")
+    _, got_float = device_scalars(table.values, steps, lr, "float32")
+    assert torch.equal(got_double, want_double)
+    assert torch.equal(got_float, want_float)
+    assert int((got_double != got_float).sum()) > 100  # the steps tell the two apart
+
+
+def test_the_division_probe_names_each_form_of_torchs_division_by_a_python_float():
+    from nemo_cudagraph_plugin.core._torch_compat import _PROBE_DIVISOR, scalar_division, scalar_division_kind
+
+    x = torch.linspace(1, 2, 4097)
+    b = torch.tensor(_PROBE_DIVISOR, dtype=torch.float64)
+    assert scalar_division_kind(x, _PROBE_DIVISOR, x / _PROBE_DIVISOR) == "divide"  # the CPU's kernel
+    assert scalar_division(torch.device("cpu")) == "divide"
+    assert scalar_division_kind(x, _PROBE_DIVISOR, x * (1.0 / b).to(torch.float32)) == "double"
+    assert scalar_division_kind(x, _PROBE_DIVISOR, x * (1.0 / b.to(torch.float32))) == "float32"
+    assert scalar_division_kind(x, _PROBE_DIVISOR, (x.double() / b).to(torch.float32)) is None  # in double: none
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_the_for_loop_denominator_multiplies_by_the_float32_reciprocal_as_torchs_cuda_division(interpreted, dtype):
+def test_the_for_loop_denominator_multiplies_by_the_reciprocal_as_torchs_cuda_division(interpreted, dtype):
     # torch's for-loop update: ``d = (v.sqrt() / bc2s).add_(eps)`` with a Python float bc2s, which CUDA's division by
-    # a CPU scalar computes as ``v.sqrt() * (1.0f / float32(bc2s))``; then ``p.addcdiv_(m, d, value=s)``
+    # a CPU scalar computes as ``v.sqrt() * inv``, ``inv`` a float32 reciprocal formed on the host (here the double's,
+    # rounded once); then ``p.addcdiv_(m, d, value=s)``
     from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
     from nemo_cudagraph_plugin.core.user_sgd import fma_f32
 
@@ -366,19 +397,21 @@ def test_the_for_loop_denominator_multiplies_by_the_float32_reciprocal_as_torchs
     # a BFloat16 square root has 8 significant bits: its quotient and its product with the reciprocal round to
     # different BFloat16 for some divisors only, as bf16(sqrt(v)) = 0.01153564453125 with 0.9287469387054443
     vs[-1] = torch.tensor([1.3256072998046875e-4, 1.33514404296875e-4]).repeat(32).to(dtype)
-    bc2s = torch.tensor([(1 - b2 ** k) ** 0.5 for b2, k in [(0.95, 3), (0.999, 1000), (0.95, 100), (0.999, 3),
-                                                             (0.95, 7), (0.999, 5000)]] + [0.9287469387054443],
-                        dtype=torch.float64).float()
+    bc2s64 = torch.tensor([(1 - b2 ** k) ** 0.5 for b2, k in [(0.95, 3), (0.999, 1000), (0.95, 100), (0.999, 3),
+                                                               (0.95, 7), (0.999, 5000)]] + [0.9287469387054443],
+                          dtype=torch.float64)
+    bc2s = bc2s64.float()
     scale = 1.0 if dtype == torch.float32 else 100.0  # BFloat16: updates above the parameters' rounding
     step_size = torch.tensor([-3e-4 * scale / (1 - 0.9 ** k) for k in (3, 1000, 100, 3, 7, 5000, 1)],
                              dtype=torch.float64).float()
+    recips = (1.0 / bc2s64).to(torch.float32)  # what device_scalars(reciprocal="double") forms
     before = [p.clone() for p in ps]
-    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, bc2s, step_size, 1e-8, reciprocal=True)
+    EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, recips, step_size, 1e-8, reciprocal=True)
     eps = torch.tensor(1e-8, dtype=torch.float32)
     bf = lambda x: x.to(torch.bfloat16).float() if dtype == torch.bfloat16 else x  # noqa: E731  (stored as dtype)
     told_apart = 0
     for j, (p, p0, m, v) in enumerate(zip(ps, before, ms, vs)):
-        inv = torch.tensor(1.0, dtype=torch.float32) / bc2s[j]  # the host's float32 division, once
+        inv = torch.tensor(1.0 / bc2s64[j].item(), dtype=torch.float64).to(torch.float32)  # the host's, once
         sqrt = bf(v.double().sqrt().float())  # sqrtf: correctly rounded
         d = bf(bf(sqrt * inv) + eps)  # float32 multiply, float32 add
         # addcdiv: an IEEE division, then one rounding of p + s * q (an FMA), stored once
@@ -389,9 +422,11 @@ def test_the_for_loop_denominator_multiplies_by_the_float32_reciprocal_as_torchs
     assert told_apart > (20 if dtype == torch.float32 else 10)  # the data tells the reciprocal from a division
 
 
-def test_warm_compiles_every_kernel_variant_the_update_launches():
+def test_warm_compiles_every_kernel_variant_the_update_launches(monkeypatch):
     # a capture must never meet a variant not compiled before it (compiling and loading a module while it captures)
     from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail
+
+    monkeypatch.setattr(user_adam, "scalar_division", lambda device: "double")  # CUDA's for-loop division, on the CPU
 
     class Spy(EagerAdamTail):
         def __init__(self):
@@ -424,14 +459,20 @@ def test_warm_compiles_every_kernel_variant_the_update_launches():
 def test_the_for_loop_update_on_cuda_keeps_the_users_math(monkeypatch):
     from nemo_cudagraph_plugin.core.user_adam import why_not
 
-    # as on a GPU host: Triton there, and the parameters' device check passed as for CUDA tensors
+    # as on a GPU host: Triton there, the parameters' device check passed as for CUDA tensors, and CUDA's division by a
+    # Python float a multiply by the reciprocal formed in double
     real = user_adam.plain_float32_params
     monkeypatch.setattr(user_adam, "triton_available", lambda: True)
     monkeypatch.setattr(user_adam, "plain_float32_params", lambda i, g, device_type, *a: real(i, g, "cpu", *a))
+    monkeypatch.setattr(user_adam, "scalar_division", lambda device: "double")
     p = nn.Parameter(torch.ones(4))
     for kw in ({"foreach": False}, {"fused": False}, {"foreach": True}, {}):
         assert why_not(torch.optim.AdamW([p], lr=LR, **kw), "cuda") is None, kw
         assert why_not(torch.optim.AdamW([p], lr=LR, **kw), "cpu") is None, kw
+    # a torch whose CUDA division by a Python float is none of the known forms: the for-loop update is not claimed
+    monkeypatch.setattr(user_adam, "scalar_division", lambda device: None)
+    assert "divides by a Python float" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
+    assert why_not(torch.optim.AdamW([p], lr=LR, foreach=True), "cuda") is None  # the multi-tensor one divides
     monkeypatch.setattr(user_adam, "triton_available", lambda: False)
     assert "Triton is not available" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
 

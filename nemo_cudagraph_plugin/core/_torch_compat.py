@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from packaging.version import Version
@@ -38,6 +38,8 @@ __all__ = [
     "adam_init_group",
     "adam_step_is_torchs",
     "runs_foreach",
+    "scalar_division",
+    "scalar_division_kind",
     "plain_torch_function",
     "mark_step_called",
     "sgd_init_group",
@@ -219,6 +221,42 @@ def runs_foreach(group: dict, params: list) -> bool:
     if foreach is None and group.get("fused") is None:
         return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
     return bool(foreach)
+
+
+#: a divisor whose float32 reciprocal (``1.0f / float32(x)``) and double reciprocal rounded to float32
+#: (``float32(1.0 / x)``) differ, and dividends that tell a multiply by either from an IEEE division
+_PROBE_DIVISOR = 0.37765725201563405
+_PROBE_POINTS = 4097
+
+
+def scalar_division_kind(x: Tensor, divisor: float, result: Tensor) -> Optional[str]:
+    """How ``result`` (float32) was computed as ``x / divisor`` (``divisor`` a Python float): ``"double"`` (a multiply by
+    the reciprocal computed in double and rounded to float32), ``"float32"`` (a multiply by ``1.0f / float32(divisor)``),
+    ``"divide"`` (an IEEE division by ``float32(divisor)``), or ``None`` (none of them). Every product is one float32
+    rounding on the host, as a GPU rounds it."""
+    x, result = x.detach().cpu(), result.detach().cpu()
+    d = torch.tensor(divisor, dtype=torch.float64)
+    candidates = {"double": x * (1.0 / d).to(torch.float32),
+                  "float32": x * (torch.ones((), dtype=torch.float32) / d.to(torch.float32)),
+                  "divide": x / d.to(torch.float32)}
+    found = [k for k, v in candidates.items() if torch.equal(v, result)]
+    return found[0] if len(found) == 1 else None
+
+
+def scalar_division(device: torch.device) -> Optional[str]:
+    """How this torch divides a float32 tensor on ``device`` by a Python float (``t / x``, as the for-loop Adam divides
+    by ``bias_correction2_sqrt``), as :func:`scalar_division_kind` names it. CUDA's kernel multiplies by a reciprocal
+    formed on the host (in double or in float32: torch versions differ, so it is measured once per device, a host read:
+    call this outside any capture first); the CPU's divides."""
+    if device.type != "cuda":
+        return "divide"
+    return _cuda_scalar_division(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_scalar_division(index: int) -> Optional[str]:
+    x = torch.linspace(1, 2, _PROBE_POINTS, dtype=torch.float32, device=torch.device("cuda", index))
+    return scalar_division_kind(x, _PROBE_DIVISOR, x / _PROBE_DIVISOR)
 
 
 #: a ``Tensor`` subclass's ``__torch_function__`` that makes every operation treat it as a plain tensor (its results are

@@ -85,9 +85,9 @@ def _eager_kernel() -> Any:
     # The denominator is computed here from ``v``. The multi-tensor one: ``_foreach_sqrt`` (``sqrtf``),
     # ``_foreach_div_`` by the ScalarList (IEEE division by the float32 scalar), ``_foreach_add_(eps)`` (float32 add).
     # RECIP, the for-loop one: ``(v.sqrt() / bias_correction2_sqrt).add_(eps)``, whose CUDA division by a Python float
-    # (a CPU scalar: ``div_true_kernel_cuda``) multiplies by ``1.0f / float32(bias_correction2_sqrt)``, a float32
-    # reciprocal computed once, then adds eps: a multiply and an add, each rounded (launched without FP fusion, which
-    # would contract them into one FMA).
+    # (a CPU scalar: ``div_true_kernel_cuda``) multiplies by a float32 reciprocal the host computed once (in double
+    # or in float32, by torch version: the caller forms the same one and passes it in ``bc2s_ptr``), then adds eps: a
+    # multiply and an add, each rounded (launched without FP fusion, which would contract them into one FMA).
     # BFloat16 tensors (ROUND): each operation computes in float32 (opmath) and stores BFloat16, so the denominator is
     # rounded to BFloat16 after the square root, the division (or multiply) and the add, and the parameter once
     # after the FMA. RNE: round to nearest even as c10's float -> BFloat16 conversion, on the float32's bits (add
@@ -105,8 +105,6 @@ def _eager_kernel() -> Any:
         start = (c - tl.load(table + 4 * n_tensors + t)) * (BLOCK * ITERS)
         s = tl.load(step_size_ptr + t)
         bc2s = tl.load(bc2s_ptr + t)
-        if RECIP:
-            inv = tl.math.div_rn(1.0, bc2s)  # torch's host division, in float32
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < numel
@@ -117,7 +115,7 @@ def _eager_kernel() -> Any:
                 u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
                 d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
                 if RECIP:
-                    d = d * inv  # the for-loop's division by a Python float, as CUDA computes it
+                    d = d * bc2s  # RECIP: bc2s holds the reciprocal the for-loop's division multiplies by
                 else:
                     d = tl.math.div_rn(d, bc2s)
                 u = d.to(tl.uint32, bitcast=True)
@@ -128,7 +126,7 @@ def _eager_kernel() -> Any:
                 u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
                 d = tl.where(d != d, d, u.to(tl.float32, bitcast=True))
             elif RECIP:
-                d = tl.math.sqrt_rn(d) * inv + eps  # two roundings: FP fusion is off for this variant
+                d = tl.math.sqrt_rn(d) * bc2s + eps  # the reciprocal; two roundings: FP fusion is off here
             else:
                 d = tl.math.div_rn(tl.math.sqrt_rn(d), bc2s) + eps
             q = tl.math.div_rn(tl.load(m + offs, mask=mask, other=0.0).to(tl.float32), d)
@@ -281,8 +279,9 @@ class EagerAdamTail(FusedAdamTail):
 
     ``p += s * (m / d)`` with ``s`` (the step size, one float32 per tensor) from device memory, rounded as torch's
     CUDA ``addcdiv`` rounds it (see :func:`_eager_kernel`); ``d`` computed from ``v`` (``bias_correction2_sqrt`` one
-    float32 per tensor) as the multi-tensor path does, or as the for-loop path does on CUDA (``reciprocal=True``: a
-    multiply by the float32 reciprocal).
+    float32 per tensor) as the multi-tensor path does, or as the for-loop path does on CUDA (``reciprocal=True``: the
+    second tensor holds the float32 reciprocal the division by the Python float multiplies by,
+    :func:`.user_adam.device_scalars`).
     """
 
     def __call__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],  # type: ignore[override]

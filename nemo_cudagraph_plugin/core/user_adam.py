@@ -26,9 +26,11 @@ A graph would freeze those numbers. Here they come from device memory, equal bit
   :class:`~.adam_tail.EagerAdamTail`, the same IEEE division and FMA as torch's CUDA kernel. On the CPU (the tape
   backend of the tests) the CPU kernels' order is mirrored instead (``p + (s * m) / d``, no FMA).
 * The for-loop path's denominator ``(v.sqrt() / bias_correction2_sqrt).add_(eps)`` divides by a Python float. On
-  CUDA that division (a CPU scalar divisor, ``div_true_kernel_cuda``) is a multiply by ``1.0f / float32(bc2_sqrt)``,
-  the reciprocal computed once in float32: the kernel computes the denominator from ``v`` that way (its
-  ``reciprocal`` mode), then ends as the multi-tensor path does. On the CPU torch divides, and so does the mirror.
+  CUDA that division (a CPU scalar divisor, ``div_true_kernel_cuda``) is a multiply by a reciprocal computed once on
+  the host: ``float32(1.0 / bc2_sqrt)`` in double on the torch of the GPU host, ``1.0f / float32(bc2_sqrt)`` in older
+  ones. Which one this torch computes is measured once per device (``_torch_compat.cuda_scalar_division``); the same
+  reciprocal is formed on the device from the table's double and the kernel multiplies by it (its ``reciprocal``
+  mode), then ends as the multi-tensor path does. On the CPU torch divides, and so does the mirror.
 * BFloat16 parameters (and moments): torch's kernels compute each operation in float32 with the same float32 scalars
   and store BFloat16. The kernel rounds the denominator (either path's) to BFloat16 after each of its operations and
   the parameter once; AdamW's decay multiplies by the float32 factor in a kernel of its own (torch's ``mul_`` with a
@@ -59,6 +61,7 @@ from torch import Tensor
 from ._torch_compat import (
     adam_init_group,
     runs_foreach,
+    scalar_division,
 )
 from .adam_step import not_torchs_adam, plain_float32_params
 from .adam_tail import TAIL_DTYPES, EagerAdamTail, tail_applies
@@ -109,16 +112,27 @@ class ScalarTable:
         self.filled_to = last
 
 
-def device_scalars(table: Tensor, steps: Tensor, lr: Tensor) -> tuple[Tensor, Tensor]:
+def device_scalars(table: Tensor, steps: Tensor, lr: Tensor, reciprocal: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """Per tensor: the float32 step size ``float32((lr / bc1) * -1)`` and ``float32(bc2_sqrt)`` for device step
     counters ``steps`` (float, already incremented), from ``table`` (:attr:`ScalarTable.values`) and a float64 ``lr``.
+    With ``reciprocal`` the second is the float32 that CUDA's division by the Python float ``bc2_sqrt`` multiplies by
+    instead (``_torch_compat.scalar_division_kind``): ``"double"``: ``float32(1.0 / bc2_sqrt)``; ``"float32"``:
+    ``1.0f / float32(bc2_sqrt)``.
 
     The float64 ``/`` and ``*`` are IEEE operations (the host's doubles); the casts round to nearest, as torch's
     ``Scalar.to<float>()`` does when a kernel receives a Python float.
     """
     row = table.index_select(1, steps.to(torch.int64).remainder_(SLOTS))
     step_size = ((lr / row[0]) * -1).to(torch.float32)
-    return step_size, row[1].to(torch.float32)
+    bc2s = row[1]
+    if reciprocal == "double":
+        return step_size, (1.0 / bc2s).to(torch.float32)
+    bc2s = bc2s.to(torch.float32)
+    if reciprocal == "float32":
+        return step_size, 1.0 / bc2s
+    if reciprocal is not None:
+        raise ValueError(f"no reciprocal {reciprocal!r}")
+    return step_size, bc2s
 
 
 def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
@@ -150,6 +164,12 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
         return f"{name}'s parameters live on {len({d for d, _ in devices})} devices"
     if len(devices) > 1:
         return f"{name}'s parameters mix dtypes ({', '.join(sorted(str(t) for _, t in devices))})"
+    for_loop = any(not runs_foreach(g, g["params"]) for g in optimizer.param_groups)
+    if devices and for_loop and device_type == "cuda" and triton_available():
+        device = torch.device(next(iter(devices))[0])
+        if scalar_division(device) is None:
+            return (f"{name}'s for-loop update divides by a Python float in a way not known here (this torch's CUDA "
+                    f"division is neither a multiply by a reciprocal nor an IEEE division)")
     return None
 
 
@@ -164,7 +184,13 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     if maximize:
         grads = torch._foreach_neg(grads) if foreach else [-g for g in grads]
     torch._foreach_add_(steps, 1)  # for-loop: step_t += 1 per tensor, the same float32 add
-    step_size, bc2_sqrt = device_scalars(table, torch.stack(steps), lr)
+    source = max_exp_avg_sqs if amsgrad else exp_avg_sqs
+    use_tail = tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES)
+    # the for-loop path's division by a Python float as this torch computes it on the device (why_not refuses a kind
+    # it does not know): CUDA multiplies by a reciprocal formed on the host, a "divide" is the multi-tensor division
+    kind = None if foreach or not use_tail else scalar_division(params[0].device)
+    reciprocal = kind if kind in ("double", "float32") else None
+    step_size, bc2_sqrt = device_scalars(table, torch.stack(steps), lr, reciprocal)
     if weight_decay != 0:
         if decoupled_weight_decay:
             factor = decay_factor(lr, weight_decay)  # the float32 a Python scalar becomes in the multiply
@@ -195,18 +221,16 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     del grads
-    source = exp_avg_sqs
     if amsgrad:
         if foreach:
             torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         else:
             for mx, v in zip(max_exp_avg_sqs, exp_avg_sqs):
                 torch.maximum(mx, v, out=mx)
-        source = max_exp_avg_sqs
-    if tail is not None and tail_applies(params, exp_avgs, source, dtypes=TAIL_DTYPES):
+    if use_tail:
         # the denominator from v as CUDA computes it: the multi-tensor path divides by the ScalarList's float32, the
-        # for-loop path's division by a Python float multiplies by its float32 reciprocal
-        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, reciprocal=not foreach)
+        # for-loop path's division by a Python float multiplies by the reciprocal torch forms on the host
+        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, reciprocal=reciprocal is not None)
         return
     if params[0].device.type == "cuda":
         # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route

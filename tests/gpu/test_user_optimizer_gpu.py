@@ -8,6 +8,7 @@ float32 (3e-4): a float32 lr tensor alone would already change the bits.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ from _lightning_utils import Recorder, loader, make_module
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from nemo_cudagraph_plugin import CudaGraphCallback
+from nemo_cudagraph_plugin.core._torch_compat import scalar_division
 from nemo_cudagraph_plugin.core.adam_tail import EagerAdamTail, EagerSgdTail
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +29,7 @@ SGD_LR = 0.03  # not a float32 either
 FORMS = {
     "adamw-foreach": (torch.optim.AdamW, ADAM),
     "adam-amsgrad-maximize": (torch.optim.Adam, {**ADAM, "amsgrad": True, "maximize": True, "weight_decay": 0.01}),
-    # torch's for-loop update: its division by a Python float is CUDA's multiply by the float32 reciprocal
+    # torch's for-loop update: its division by a Python float is CUDA's multiply by a float32 reciprocal
     "adamw-for-loop": (torch.optim.AdamW, {**ADAM, "foreach": False}),
     # torch's SGD (multi-tensor by default on CUDA; the groups carry weight decay)
     "sgd-foreach-momentum": (torch.optim.SGD, {"lr": SGD_LR, "momentum": 0.9}),
@@ -94,6 +96,13 @@ def assert_bitwise(g, e):
     assert not bad, f"{len(bad)} parameters differ from the user's eager run"
 
 
+def assert_step_given_back(opt):
+    """After fit the instance's ``step`` is the LR scheduler's wrapper again (torch's schedulers set it on the
+    instance), not the plugin's takeover (a ``functools.partial``)."""
+    own = opt.__dict__.get("step")
+    assert getattr(own, "_wrapped_by_lr_sched", False) and not isinstance(own, functools.partial), own
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_clipping_and_a_schedule_200_steps_equal_the_users_eager_run(form, precision):
@@ -143,7 +152,8 @@ def test_the_for_loop_update_200_steps_equals_the_users_eager_run_and_its_counte
     assert_bitwise(g, run(False, form, precision, 200, **kw))
     # after fit the step counters are back where torch's for-loop update keeps them (a fused one's stay on the GPU)
     opt = g[0].optimizers[0]
-    assert opt.state and all(not s["step"].is_cuda for s in opt.state.values()) and "step" not in opt.__dict__
+    assert opt.state and all(not s["step"].is_cuda for s in opt.state.values())
+    assert_step_given_back(opt)
 
 
 ADAM_FORMS = ["adamw-foreach", "adam-amsgrad-maximize", "adamw-for-loop"]
@@ -173,7 +183,8 @@ def test_the_fused_update_200_steps_equals_the_users_eager_run(form, precision, 
     assert_bitwise(g, run(False, form, precision, 200, **kw))
     # after fit the step counters stay where torch's fused update keeps them (a non-fused one's go back to the CPU)
     opt = g[0].optimizers[0]
-    assert all(s["step"].is_cuda for s in opt.state.values()) and "step" not in opt.__dict__
+    assert all(s["step"].is_cuda for s in opt.state.values())
+    assert_step_given_back(opt)
 
 
 def test_the_fused_update_with_accumulation_and_verify_steps_equals_the_users_eager_run():
@@ -289,7 +300,8 @@ def test_the_bf16_adam_kernels_are_torchs_cuda_foreach_ops_bit_for_bit():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_the_for_loop_adam_kernel_is_torchs_cuda_for_loop_ops_bit_for_bit(dtype):
     # the for-loop update's end as torch runs it with its Python floats, against the kernel's reciprocal mode:
-    # ``(v.sqrt() / bc2s).add_(eps)`` (CUDA multiplies by 1.0f / float32(bc2s)), ``p.addcdiv_(m, d, value=s)``
+    # ``(v.sqrt() / bc2s).add_(eps)`` (CUDA multiplies by a float32 reciprocal formed on the host),
+    # ``p.addcdiv_(m, d, value=s)``
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes = [1, 3, 4095, 4096, 4097, 1 << 20, 3_000_001]
     ps = [(torch.randn(n, device="cuda", generator=g) * 1e-3).to(dtype) for n in sizes]
@@ -307,15 +319,19 @@ def test_the_for_loop_adam_kernel_is_torchs_cuda_for_loop_ops_bit_for_bit(dtype)
                                                                          (0.999, 1000), (0.999, 5000)]]
     cases.append((0.9287469387054443, -5e-2))  # the divisor above; a step size whose updates show in BFloat16
     tail = EagerAdamTail()
+    kind = scalar_division(torch.device("cuda"))
+    assert kind in ("double", "float32"), kind  # CUDA's division by a Python float multiplies by a reciprocal
     told_apart = 0
     for bc2s, step_size in cases:
         want = [p.clone() for p in ps]
         for w, m, v in zip(want, ms, vs):
             w.addcdiv_(m, (v.sqrt() / bc2s).add_(1e-8), value=step_size)
         got = [p.clone() for p in ps]
-        bc2s_t = torch.full((n,), bc2s, dtype=torch.float64, device="cuda").float()
+        bc2s64 = torch.full((n,), bc2s, dtype=torch.float64, device="cuda")
+        bc2s_t = bc2s64.float()
+        recips = (1.0 / bc2s64).float() if kind == "double" else 1.0 / bc2s_t  # as device_scalars forms them
         step_t = torch.full((n,), step_size, dtype=torch.float64, device="cuda").float()
-        tail(got, ms, vs, bc2s_t, step_t, 1e-8, reciprocal=True)
+        tail(got, ms, vs, recips, step_t, 1e-8, reciprocal=True)
         for j, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"bc2s {bc2s}, tensor {j}: {(a != b).sum().item()} elements differ"
         divided = [p.clone() for p in ps]
