@@ -1400,6 +1400,17 @@ MUTANTS: list[Mutant] = [
            (UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]",),
            "the capturable math is the default: graphed fits differ from the user's eager run"),
     # -- the step-time harness's report: the figures of the results table -----------------------------
+    Mutant("resume-keeps-a-timeout-kill", "cpu", "benchmarks/harness/runner.py",
+           '    return not record.get("ok") and not record.get("skipped") and record.get("rc") != 124 and bool(record.get("error"))\n',
+           '    return not record.get("ok") and not record.get("skipped") and bool(record.get("error"))\n',
+           ("tests/test_harness.py::test_resume_keeps_the_runs_that_succeeded_and_refuses_other_settings",),
+           "--keep-failed keeps a run killed at the child timeout (the budget's kill), which never ran to its end"),
+    Mutant("resume-keep-failed-ignored", "cpu", "benchmarks/harness/runner.py",
+           '    keep = [r for r in data.get("runs", []) if r.get("ok") or (keep_failed and failed_of_its_own(r))]\n',
+           '    keep = [r for r in data.get("runs", []) if r.get("ok")]\n',
+           ("tests/test_harness.py::test_resume_keeps_the_runs_that_succeeded_and_refuses_other_settings",),
+           "--keep-failed runs a variant that failed with its own error again (two minutes for reduce-overhead on "
+           "the MoE model)"),
     Mutant("report-pairs-rounds-by-position", "cpu", "benchmarks/harness/report.py",
            "            ratio_rounds = [ok_by_round[v][k][\"ms_per_step\"] / ok_by_round[base][k][\"ms_per_step\"]\n"
            "                            for k in sorted(ok_by_round[v]) if k in ok_by_round.get(base, {})]",

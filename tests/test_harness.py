@@ -268,6 +268,10 @@ def test_resume_keeps_the_runs_that_succeeded_and_refuses_other_settings(tmp_pat
     assert done == {"0/llama156m-2x512/eager"} and len(records) == 1
     with pytest.raises(SystemExit, match="clip"):
         runner.load_resume(path, {**SETTINGS, "clip": 0.0})
+    # --keep-failed: a failure of its own stays; the budget skip and the kill at the child timeout run again
+    records, done = runner.load_resume(path, SETTINGS, keep_failed=True)
+    assert done == {"0/llama156m-2x512/eager", "0/llama156m-2x512/nemo"}
+    assert [r["error"] for r in records if not r["ok"]] == ["AssertionError: Expect _LRScheduler type"]
 
 
 def test_resume_refuses_runs_timed_on_another_gpu(tmp_path):

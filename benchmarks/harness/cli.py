@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, default=None,
                    help="a step-time.json of an earlier run with the same settings: its successful runs are kept, the rest "
                         "(missing, skipped for the budget, failed) run")
+    p.add_argument("--keep-failed", action="store_true",
+                   help="with --resume: keep the runs that failed with an error of their own instead of running them "
+                        "again (budget skips and child-timeout kills still run)")
     p.add_argument("--report", type=Path, default=None,
                    help="render the tables of this step-time.json (no runs; with --write-docs, update the docs)")
     p.add_argument("--out", type=Path, default=None,
@@ -152,7 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("python -m benchmarks.harness needs a CUDA GPU (or --dry-run, the CPU smoke run).")
             return 2
         gpu = torch.cuda.get_device_name()
-    records, done = load_resume(args.resume, settings, gpu)
+    records, done = load_resume(args.resume, settings, gpu, keep_failed=args.keep_failed)
     settings["command"] = table_command(args, records)
     print(plan_text(plan, done, args.budget_s, args.gpus), flush=True)
     if args.plan:

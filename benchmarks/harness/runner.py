@@ -192,10 +192,16 @@ def execute(plan: list[dict], done: set[str], budget_s: float, child_timeout_s: 
 RESUME_KEYS = ("precision", "optim", "clip", "seed", "deterministic", "device", "dry_run")
 
 
+def failed_of_its_own(record: dict) -> bool:
+    """A run that ended with its own error: not skipped for the budget, not killed at the child timeout."""
+    return not record.get("ok") and not record.get("skipped") and record.get("rc") != 124 and bool(record.get("error"))
+
+
 def load_resume(path: Optional[Path], settings: dict, gpu: Optional[str] = None,
-                keys: tuple[str, ...] = RESUME_KEYS) -> tuple[list[dict], set[str]]:
+                keys: tuple[str, ...] = RESUME_KEYS, keep_failed: bool = False) -> tuple[list[dict], set[str]]:
     """The records of an earlier run with the same settings (``keys``) and their keys; runs that did not succeed
-    (skipped for the budget, killed at the child timeout, or failed) are run again.
+    (skipped for the budget, killed at the child timeout, or failed) are run again, except, with ``keep_failed``,
+    those that failed with an error of their own (a variant that fails on a model fails again: the record stays).
 
     ``gpu``: this machine's GPU name; runs timed on another GPU are refused, since one table compares its variants
     as ratios and an H100's milliseconds beside an H200's would read as a speed-up or a loss of either.
@@ -207,7 +213,7 @@ def load_resume(path: Optional[Path], settings: dict, gpu: Optional[str] = None,
     diff = [k for k in keys if old.get(k) != settings.get(k)]
     if diff:
         raise SystemExit(f"--resume {path}: its runs used other settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)})")
-    keep = [r for r in data.get("runs", []) if r.get("ok")]
+    keep = [r for r in data.get("runs", []) if r.get("ok") or (keep_failed and failed_of_its_own(r))]
     if data.get("ceiling"):
         keep.append(data["ceiling"])
     other = sorted({g for r in keep if (g := (r.get("env") or {}).get("gpu")) and g != gpu}) if gpu else []
