@@ -1400,6 +1400,11 @@ MUTANTS: list[Mutant] = [
            (UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]",),
            "the capturable math is the default: graphed fits differ from the user's eager run"),
     # -- the step-time harness's report: the figures of the results table -----------------------------
+    Mutant("fp8-format-read-from-the-enums-str", "cpu", "nemo_cudagraph_plugin/fp8/_te_compat.py",
+           '    name = getattr(dt, "name", None)\n',
+           "    name = str(dt)\n",
+           ("tests/test_fp8_master_cpu.py::test_the_fp8_format_is_read_from_tes_dtype_enum_as_each_te_version_shapes_it",),
+           "the FP8 format read from str(_fp8_dtype), the number of TE 2.17+'s IntEnum: every FP8 weight refused"),
     Mutant("resume-keeps-a-timeout-kill", "cpu", "benchmarks/harness/runner.py",
            '    return not record.get("ok") and not record.get("skipped") and record.get("rc") != 124 and bool(record.get("error"))\n',
            '    return not record.get("ok") and not record.get("skipped") and bool(record.get("error"))\n',

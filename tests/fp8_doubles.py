@@ -49,6 +49,7 @@ works from any test module below ``tests/``.)
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,15 @@ class _DType:
 _E4M3 = _DType("kFloat8E4M3")
 
 
+class TeDType(enum.IntEnum):
+    """TE 2.17+'s ``DType`` (``transformer_engine/pytorch/constants.py``): a Python ``IntEnum``, whose ``str()`` is its
+    number on Python >= 3.11."""
+
+    kBFloat16 = 5
+    kFloat8E4M3 = 7
+    kFloat8E5M2 = 8
+
+
 class _Fp8Double(torch.nn.Parameter):
     """Common state of the doubles (not itself FP8-like: it has no ``_reset_caches``)."""
 
@@ -186,7 +196,7 @@ class _Fp8Double(torch.nn.Parameter):
         self._transpose_invalid = True
         # TE's per-tensor scaling state and element format: the bytes are E4M3 values times ``1 / _scale_inv``
         self._scale_inv = torch.ones(1)
-        self._fp8_dtype = _E4M3
+        self._fp8_dtype = TeDType.kFloat8E4M3 if self.generation == "te2" else _E4M3  # TE 2.20's shape for te2
         if with_transpose:
             buf = torch.empty(_t_shape(shape), dtype=torch.uint8)
             _fill_transpose(self._data, buf)

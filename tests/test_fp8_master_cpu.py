@@ -217,3 +217,22 @@ def test_masters_start_from_tes_kept_high_precision_values_which_are_then_freed(
     opt = MasterWeightAdamW([w])
     assert torch.equal(opt._inner.param_groups[0]["params"][0], exact) and kept["v"] is None
     assert not torch.equal(w.dequantize(), exact)  # the FP8 value alone would have started elsewhere
+
+
+def test_the_fp8_format_is_read_from_tes_dtype_enum_as_each_te_version_shapes_it():
+    # TE up to 2.16: ``_fp8_dtype`` a pybind11 enum member (prints ``DType.kFloat8E4M3``); TE 2.17 on: a Python
+    # ``IntEnum`` member (``transformer_engine/pytorch/constants.py``), which prints as its number on Python >= 3.11
+    from fp8_doubles import TeDType as DType
+    from fp8_doubles import _DType
+
+    from nemo_cudagraph_plugin.fp8 import _te_compat as te
+
+    class T:
+        def __init__(self, dt):
+            self._fp8_dtype = dt
+
+    for e4m3, e5m2, other in ((_DType("kFloat8E4M3"), _DType("kFloat8E5M2"), _DType("kBFloat16")),
+                              (DType.kFloat8E4M3, DType.kFloat8E5M2, DType.kBFloat16)):
+        assert te.fp8_element_format(T(e4m3)) == (torch.float8_e4m3fn, 448.0), e4m3
+        assert te.fp8_element_format(T(e5m2)) == (torch.float8_e5m2, 57344.0), e5m2
+        assert te.fp8_element_format(T(other)) is None

@@ -194,8 +194,12 @@ _FP8_FORMATS = {"E4M3": (torch.float8_e4m3fn, 448.0), "E5M2": (torch.float8_e5m2
 
 def fp8_element_format(t: Any) -> Optional[tuple[torch.dtype, float]]:
     """``(torch FP8 dtype, largest finite value)`` of a ``Float8Tensor``'s bytes, from ``_fp8_dtype`` (TE's
-    ``tex.DType.kFloat8E4M3`` / ``kFloat8E5M2``); ``None`` when it is neither."""
-    name = str(getattr(t, "_fp8_dtype", ""))
+    ``DType.kFloat8E4M3`` / ``kFloat8E5M2``); ``None`` when it is neither. By the member's ``name``: a pybind11 enum up to
+    TE 2.16, a Python ``IntEnum`` from 2.17 (whose ``str()`` is its number on Python >= 3.11)."""
+    dt = getattr(t, "_fp8_dtype", None)
+    name = getattr(dt, "name", None)
+    if not isinstance(name, str):
+        return None
     for key, fmt in _FP8_FORMATS.items():
         if key in name.upper():
             return fmt
