@@ -28,7 +28,7 @@ A graph would freeze those numbers. Here they come from device memory, equal bit
 * The for-loop path's denominator ``(v.sqrt() / bias_correction2_sqrt).add_(eps)`` divides by a Python float. On
   CUDA that division (a CPU scalar divisor, ``div_true_kernel_cuda``) is a multiply by a reciprocal computed once on
   the host: ``float32(1.0 / bc2_sqrt)`` in double on the torch of the GPU host, ``1.0f / float32(bc2_sqrt)`` in older
-  ones. Which one this torch computes is measured once per device (``_torch_compat.cuda_scalar_division``); the same
+  ones. Which one this torch computes is measured once per device (``_torch_compat.scalar_division``); the same
   reciprocal is formed on the device from the table's double and the kernel multiplies by it (its ``reciprocal``
   mode), then ends as the multi-tensor path does. On the CPU torch divides, and so does the mirror.
 * BFloat16 parameters (and moments): torch's kernels compute each operation in float32 with the same float32 scalars
