@@ -176,6 +176,11 @@ CASES = {
     "adamw-foreach-accumulate": ({"foreach": True}, {"accumulate_grad_batches": 2}),
     "adamw-foreach-bf16-true": ({"foreach": True}, {"precision": "bf16-true"}),
     "adam-for-loop-amsgrad-bf16-true": ({"cls": torch.optim.Adam, "amsgrad": True}, {"precision": "bf16-true"}),
+    # a tensor lr with foreach unset: torch runs its for-loop update with tensor operations on the lr
+    "adamw-tensor-lr": ({"lr": lambda: torch.tensor(LR)}, {}),
+    "adamw-tensor-lr-float64-clip": ({"lr": lambda: torch.tensor(LR, dtype=torch.float64)}, {"gradient_clip_val": 0.5}),
+    "adam-tensor-lr-amsgrad-bf16-true": ({"cls": torch.optim.Adam, "amsgrad": True, "weight_decay": 0.01,
+                                         "lr": lambda: torch.tensor(LR)}, {"precision": "bf16-true"}),
 }
 
 
@@ -477,6 +482,77 @@ def test_the_for_loop_update_on_cuda_keeps_the_users_math(monkeypatch):
     assert "Triton is not available" in why_not(torch.optim.AdamW([p], lr=LR, foreach=False), "cuda")
 
 
+@pytest.mark.parametrize("cls,dtype,amsgrad,maximize,wd", [
+    (cls, dt, ams, mx, wd) for cls, dt, ams, mx, wd in itertools.product(
+        (torch.optim.AdamW, torch.optim.Adam), (torch.float32, torch.float64), (False, True), (False, True),
+        (0.0, 0.1))])
+def test_a_tensor_lr_update_is_the_users_eager_for_loop_step_bit_for_bit(cls, dtype, amsgrad, maximize, wd):
+    # torch's for-loop update with a tensor lr: ``1 - lr * wd`` and ``lr / bias_correction1`` are tensor operations
+    # in the lr's dtype; a schedule writes the tensors in place, and once a new tensor is assigned
+    a, b = _model(), _model()
+    kw = dict(betas=(0.9, 0.95), weight_decay=wd, amsgrad=amsgrad, maximize=maximize)
+    ref = cls(a.parameters(), lr=torch.tensor(LR, dtype=dtype), **kw)
+    opt = cls(b.parameters(), lr=torch.tensor(LR, dtype=dtype), **kw)
+    assert user_adam.why_not(opt, "cpu") is None
+    user = UserMathAdam(opt, torch.device("cpu"))
+    user.install()
+    x = torch.randn(8, 16)
+    for i in range(20):
+        for m, o in ((a, ref), (b, opt)):
+            o.zero_grad()
+            m(x * (1 + i % 3)).square().mean().backward()
+            for g in o.param_groups:
+                if i == 11:
+                    g["lr"] = torch.tensor(LR * 0.5, dtype=dtype)  # a new tensor: the copy follows it
+                else:
+                    g["lr"].fill_(LR * 0.97 ** i)
+        assert user.sync() is None  # same kind: no re-capture
+        ref.step()
+        opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    user.remove()
+
+
+def test_a_tensor_lr_that_changes_kind_asks_for_a_new_capture():
+    opt = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(LR))
+    user = UserMathAdam(opt, torch.device("cpu"))
+    user.install()
+    assert user.sync() is None
+    opt.param_groups[0]["lr"] = torch.tensor(LR, dtype=torch.float64)
+    assert "float64 tensor" in user.sync()
+    opt.param_groups[0]["lr"] = 1e-4
+    assert "now a float" in user.sync()
+    opt.param_groups[0]["lr"] = torch.tensor(LR)
+    assert "float32 tensor" in user.sync() and user.sync() is None
+    user.remove()
+
+
+def test_a_tensor_lr_keeps_the_capturable_math_where_torch_does_not_run_the_for_loop_or_the_tensor_is_odd():
+    p = nn.Parameter(torch.ones(4))
+    assert "tensor lr" in user_adam.why_not(torch.optim.AdamW([p], lr=torch.tensor(LR, requires_grad=True)), "cpu")
+    assert "tensor lr" in user_adam.why_not(torch.optim.AdamW([p], lr=torch.tensor(LR, dtype=torch.bfloat16)), "cpu")
+    assert "tensor betas" in user_adam.why_not(
+        torch.optim.AdamW([p], lr=LR, betas=(torch.tensor(0.9), torch.tensor(0.99))), "cpu")
+    assert user_adam.why_not(torch.optim.AdamW([p], lr=torch.tensor(LR)), "cpu") is None
+
+
+def test_a_host_tensor_lr_with_gpu_parameters_computes_its_decay_factor_as_the_cpu_does():
+    # the user's lr on the CPU while the parameters are on a GPU: torch computes ``1 - lr * wd`` and ``lr / bc1``
+    # with the CPU's kernels; the copy forms the same on the host (the factor) and divides as the CPU does
+    lr = torch.tensor(3e-4, dtype=torch.float64)
+    tl = user_adam.TensorLr(lr, torch.device("cpu"))
+    tl.on_host = True  # as with CUDA parameters
+    tl.fill(lr, 0.1)
+    assert torch.equal(tl.factor, (1 - lr * 0.1).to(torch.float32))
+    bc1 = torch.tensor([1 - 0.9 ** k for k in range(1, 200)], dtype=torch.float64)
+    want = torch.stack([-(lr / b) for b in bc1.tolist()]).to(torch.float32)  # torch's own: tensor / Python float
+    assert torch.equal(tl.step_size(bc1), want)
+    lr.fill_(1e-4)
+    tl.fill(lr, 0.1)
+    assert torch.equal(tl.value, lr) and torch.equal(tl.factor, (1 - lr * 0.1).to(torch.float32))
+
+
 @pytest.mark.parametrize("cls,foreach,amsgrad,maximize,wd", [
     (cls, fe, ams, mx, wd) for cls, fe, ams, mx, wd in itertools.product(
         (torch.optim.AdamW, torch.optim.Adam), (True, False), (False, True), (False, True), (0.0, 0.1))])
@@ -510,3 +586,33 @@ def test_mixed_parameter_dtypes_keep_the_capturable_math_and_say_why():
     assert "mix dtypes" in user_adam.why_not(opt, "cpu")
     half = torch.optim.AdamW([nn.Parameter(torch.ones(4, dtype=torch.float16))], lr=LR)
     assert "not a float32 or bfloat16 cpu tensor" in user_adam.why_not(half, "cpu")
+
+
+def test_torchs_adam_runs_its_for_loop_update_for_a_tensor_lr_where_foreach_is_unset(monkeypatch):
+    # on CUDA tensors torch defaults to the multi-tensor update, except Adam's with a tensor lr and no capturable
+    from torch.optim import optimizer as torch_optimizer
+
+    from nemo_cudagraph_plugin.core._torch_compat import runs_foreach
+
+    monkeypatch.setattr(torch_optimizer, "_default_to_fused_or_foreach", lambda *a, **k: (False, True))  # as CUDA
+    params = [torch.ones(2)]
+    assert runs_foreach({"lr": LR, "foreach": None, "fused": None}, params)
+    assert not runs_foreach({"lr": torch.tensor(LR), "foreach": None, "fused": None, "capturable": False}, params)
+    assert runs_foreach({"lr": torch.tensor(LR), "foreach": None, "fused": None, "capturable": True}, params)
+    assert runs_foreach({"lr": torch.tensor(LR), "foreach": None, "fused": None}, params, adam=False)  # SGD's
+    assert not runs_foreach({"lr": LR, "foreach": None, "fused": False}, params)
+
+
+def test_a_tensor_lrs_decay_factor_is_torchs_tensor_arithmetic_in_its_dtype():
+    # ``1 - lr * weight_decay`` on a float32 tensor: float32(weight_decay) and two float32 roundings, which the double
+    # computed once and rounded differs from for some learning rates (weight decay 0.3: about 2 % of them)
+    tl = user_adam.TensorLr(torch.tensor(LR), torch.device("cpu"))
+    grid = torch.logspace(-5, -2, 200_000, dtype=torch.float32)
+    apart = grid[(1 - grid * 0.3) != (1 - grid.double() * 0.3).to(torch.float32)]
+    lrs = torch.cat([apart[:50], grid[::4000]])
+    assert len(apart) > 50
+    got = []
+    for lr in lrs:
+        tl.fill(lr, 0.3)
+        got.append(tl.decay_factor(0.3))
+    assert torch.equal(torch.stack(got), 1 - lrs * 0.3)  # torch's own elementwise operations, the same roundings

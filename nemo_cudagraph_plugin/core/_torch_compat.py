@@ -211,15 +211,18 @@ def adam_functional(optimizer: Any, group: dict, params: list, grads: list, exp_
     )
 
 
-def runs_foreach(group: dict, params: list) -> bool:
-    """Whether torch's ``adam()``/``sgd()`` run their multi-tensor update for a non-fused group with a float ``lr``:
-    ``foreach`` as set; unset with ``fused`` unset too, torch's default (CUDA tensors: yes; CPU: its for-loop update);
-    unset with ``fused=False``, the for-loop update."""
+def runs_foreach(group: dict, params: list, adam: bool = True) -> bool:
+    """Whether torch's ``adam()`` (``adam=False``: ``sgd()``) runs its multi-tensor update for a non-fused group:
+    ``foreach`` as set; unset with ``fused`` unset too, torch's default (CUDA tensors: yes, except Adam's for a tensor
+    ``lr`` in a group that is not capturable; CPU: the for-loop update); unset with ``fused=False``, the for-loop
+    update."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
     foreach = group.get("foreach")
     if foreach is None and group.get("fused") is None:
-        return _default_to_fused_or_foreach(params, False, use_fused=False)[1]
+        # torch's adam() leaves foreach off for a tensor lr without capturable (its for-loop update takes one)
+        tensor_lr = adam and isinstance(group.get("lr"), Tensor) and not group.get("capturable")
+        return _default_to_fused_or_foreach(params, False, use_fused=False)[1] and not tensor_lr
     return bool(foreach)
 
 

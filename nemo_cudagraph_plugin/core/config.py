@@ -96,7 +96,8 @@ class CaptureConfig:
             step. ``False``: torch's own capturable update is captured. Not used where ``optimizer_math="eager"``
             captures the user's own update.
         optimizer_math: ``"eager"``: a ``torch.optim.Adam``/``AdamW`` (multi-tensor or for-loop, ``amsgrad``,
-            ``maximize``, weight decay, float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) or
+            ``maximize``, weight decay, float ``lr``, or a tensor ``lr`` with the for-loop update torch runs for it;
+            float32 or BFloat16 parameters; Triton on CUDA) or
             ``torch.optim.SGD`` (multi-tensor or for-loop, momentum, dampening, Nesterov, weight decay, ``maximize``,
             float ``lr``; float32 or BFloat16 parameters; Triton on CUDA) keeps its own settings and its own
             non-capturable update is captured, with the scalars its Python computes on the host (Adam's bias
@@ -105,8 +106,8 @@ class CaptureConfig:
             :mod:`nemo_cudagraph_plugin.core.user_sgd`); a fused Adam/AdamW keeps torch's own fused update, its float
             ``lr`` set in the graph's kernel arguments before each replay
             (:mod:`nemo_cudagraph_plugin.core.user_fused_adam`). Other optimizers and settings (fused SGD, fused and
-            non-fused groups mixed, tensor ``lr``, ``nan_action="skip"``) get the capturable preparation;
-            ``stats.optimizer_math`` says why and, after a verified step, ``stats.optimizer_math_gap`` by how much.
+            non-fused groups mixed, tensor betas, a tensor ``lr`` of SGD, ``nan_action="skip"`` with a non-fused
+            optimizer) get the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step, ``stats.optimizer_math_gap`` by how much.
             ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device tensor,
             bias corrections computed on the device in float32): bitwise equal to eager training with that
             preparation, about 1e-4 relative from your own run.

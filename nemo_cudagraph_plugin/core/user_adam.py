@@ -42,9 +42,10 @@ amsgrad's maximum) is torch's own call with torch's own Python-float arguments, 
 weight decay are constants (the engine re-captures when one changes; the table follows betas).
 
 Scope (else the plugin's capturable preparation is used and the summary says the graphed math differs):
-``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``lr`` and ``betas``, non-fused
-groups (the multi-tensor update and the for-loop one; ``amsgrad``, ``maximize``, weight decay), float32 or BFloat16
-parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's
+``torch.optim.Adam``/``AdamW`` with torch's own ``step``, torch 2.11 - 2.13, float ``betas``, a float ``lr`` (or a
+one-element float32/float64 tensor: torch's for-loop update then computes with it as a tensor, :class:`TensorLr`),
+non-fused groups (the multi-tensor update and the for-loop one; ``amsgrad``, ``maximize``, weight decay), float32 or
+BFloat16 parameters (one dtype) on one device, Triton on CUDA, no ``nan_action="skip"`` (that needs the fused kernel's
 ``found_inf``). Optimizers whose groups are all fused: :mod:`.user_fused_adam`. The step counters live on the device
 while the update is installed and go back to the CPU after fit, where torch's non-fused update keeps them
 (:meth:`.optim.OptimizerPrep.restore`).
@@ -53,7 +54,7 @@ while the update is installed and go back to the CPU after fit, where torch's no
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -112,9 +113,71 @@ class ScalarTable:
         self.filled_to = last
 
 
-def device_scalars(table: Tensor, steps: Tensor, lr: Tensor, reciprocal: Optional[str] = None) -> tuple[Tensor, Tensor]:
+def divided(x: Tensor, divisor: Tensor, kind: Optional[str]) -> Tensor:
+    """``x / d`` for a Python float ``d`` (given as the float64 ``divisor``) as torch's kernel computes it, ``kind`` as
+    :func:`._torch_compat.scalar_division` names it: an IEEE division by ``d`` in ``x``'s dtype (``"divide"``), or a
+    multiply by the reciprocal formed in double (``"double"``; a float64 ``x`` always) or in float32 (``"float32"``)."""
+    if kind == "divide":
+        return x / divisor.to(x.dtype)
+    if kind == "double" or x.dtype == torch.float64:
+        return x * (1.0 / divisor).to(x.dtype)
+    if kind == "float32":
+        return x * (1.0 / divisor.to(torch.float32))
+    raise ValueError(f"no division {kind!r}")
+
+
+class TensorLr:
+    """A param group's tensor ``lr`` as torch's for-loop update uses it (torch runs that update for a tensor ``lr``
+    when ``foreach`` is unset): ``step_size = lr / bias_correction1`` is a tensor operation in ``lr``'s dtype, on
+    ``lr``'s device, whose value ``addcdiv_`` then reads as its Python scalar; AdamW's ``param.mul_(1 - lr *
+    weight_decay)`` multiplies by a 0-d tensor.
+
+    ``value`` is a device copy of the user's tensor in its dtype, filled before every step without a host sync
+    (:meth:`fill`). Where the user's tensor lives on the CPU while the parameters are on a GPU (``on_host``), torch's
+    eager operations on it run on the CPU: the step size divides as the CPU does, and the decay factor is computed on
+    the host with the CPU's own operations and read by the kernels as the float32 a CPU scalar becomes
+    (:attr:`factor`)."""
+
+    def __init__(self, lr: Tensor, device: torch.device) -> None:
+        self.dtype = lr.dtype
+        self.on_host = lr.device.type == "cpu" and device.type != "cpu"
+        self.value = torch.zeros((), dtype=lr.dtype, device=device)
+        #: how the step size's division by the host's bias correction is computed (on the CPU where ``on_host``)
+        self.division = scalar_division(torch.device("cpu") if self.on_host else device)
+        #: ``on_host``: ``float32(1 - lr * weight_decay)`` as the CPU computes it, on the device
+        self.factor = torch.ones((), dtype=torch.float32, device=device)
+        self._host: Optional[tuple[float, float]] = None
+
+    def matches(self, lr: Tensor, device: torch.device) -> bool:
+        """Whether ``lr`` is still a tensor of this kind (dtype, where it lives)."""
+        return lr.dtype == self.dtype and (lr.device.type == "cpu" and device.type != "cpu") == self.on_host
+
+    def fill(self, lr: Tensor, weight_decay: float) -> None:
+        """Before a step: ``value`` from the user's tensor (a device copy, or a CPU read: no device sync); the
+        host's decay factor when it changed."""
+        self.value.fill_(lr.detach().reshape(()))
+        if self.on_host:
+            key = (float(lr), weight_decay)
+            if key != self._host:
+                self.factor.fill_(float(1 - lr.detach().reshape(()) * weight_decay))
+                self._host = key
+
+    def decay_factor(self, weight_decay: float) -> Tensor:
+        """AdamW's ``1 - lr * weight_decay`` with torch's own operations on the copy (where the user's tensor lives
+        on the parameters' device: the same kernels, in its dtype)."""
+        return 1 - self.value * weight_decay
+
+    def step_size(self, bias_correction1: Tensor) -> Tensor:
+        """Per tensor: the float32 ``-(lr / bc1)`` that torch's ``addcdiv_(..., value=-step_size)`` receives, from the
+        host's doubles ``bias_correction1``."""
+        return (-divided(self.value.expand(bias_correction1.shape), bias_correction1, self.division)).to(torch.float32)
+
+
+def device_scalars(table: Tensor, steps: Tensor, lr: Union[Tensor, TensorLr],
+                   reciprocal: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """Per tensor: the float32 step size ``float32((lr / bc1) * -1)`` and ``float32(bc2_sqrt)`` for device step
-    counters ``steps`` (float, already incremented), from ``table`` (:attr:`ScalarTable.values`) and a float64 ``lr``.
+    counters ``steps`` (float, already incremented), from ``table`` (:attr:`ScalarTable.values`) and a float64 ``lr``
+    (a :class:`TensorLr`: its :meth:`~TensorLr.step_size`).
     With ``reciprocal`` the second is the float32 that CUDA's division by the Python float ``bc2_sqrt`` multiplies by
     instead (``_torch_compat.scalar_division_kind``): ``"double"``: ``float32(1.0 / bc2_sqrt)``; ``"float32"``:
     ``1.0f / float32(bc2_sqrt)``.
@@ -123,7 +186,7 @@ def device_scalars(table: Tensor, steps: Tensor, lr: Tensor, reciprocal: Optiona
     ``Scalar.to<float>()`` does when a kernel receives a Python float.
     """
     row = table.index_select(1, steps.to(torch.int64).remainder_(SLOTS))
-    step_size = ((lr / row[0]) * -1).to(torch.float32)
+    step_size = lr.step_size(row[0]) if isinstance(lr, TensorLr) else ((lr / row[0]) * -1).to(torch.float32)
     bc2s = row[1]
     if reciprocal == "double":
         return step_size, (1.0 / bc2s).to(torch.float32)
@@ -138,6 +201,19 @@ def device_scalars(table: Tensor, steps: Tensor, lr: Tensor, reciprocal: Optiona
 def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
     """``float32(1 - lr * weight_decay)``: the host's double (two IEEE operations), rounded as the kernel rounds it."""
     return (1 - lr * weight_decay).to(torch.float32)
+
+
+def _tensor_lr_why_not(i: int, group: dict, device_type: str) -> Optional[str]:
+    """Why param group ``i``'s tensor ``lr`` keeps the capturable math (``None``: torch's for-loop update with it is
+    captured as the user runs it)."""
+    lr = group["lr"]
+    if runs_foreach(group, group["params"]):
+        return f"param group {i} has a tensor lr with foreach=True"  # torch refuses that itself
+    if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64) or lr.requires_grad:
+        return f"param group {i}'s tensor lr is not one float32 or float64 element without grad"
+    if lr.device.type not in ("cpu", device_type):
+        return f"param group {i}'s tensor lr lives on {lr.device}"
+    return None
 
 
 def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_nonfinite: bool = False) -> Optional[str]:
@@ -156,8 +232,10 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
         off = [k for k in ("capturable", "differentiable") if g.get(k)]
         if off:
             return f"param group {i} is {', '.join(off)}"
-        if isinstance(g["lr"], Tensor) or any(isinstance(b, Tensor) for b in g["betas"]):
-            return f"param group {i} has a tensor lr or betas"
+        if any(isinstance(b, Tensor) for b in g["betas"]):
+            return f"param group {i} has tensor betas"
+        if isinstance(g["lr"], Tensor) and (why := _tensor_lr_why_not(i, g, device_type)) is not None:
+            return why
         if (why := plain_float32_params(i, g, device_type, devices, TAIL_DTYPES)) is not None:
             return why
     if len({d for d, _ in devices}) > 1:
@@ -175,10 +253,11 @@ def why_not(optimizer: torch.optim.Optimizer, device_type: str = "cuda", skip_no
 
 def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
            max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, foreach: bool, amsgrad: bool, maximize: bool,
-           beta1: float, beta2: float, lr: Tensor, weight_decay: float, eps: float, decoupled_weight_decay: bool,
-           table: Tensor, tail: Optional[EagerAdamTail] = None) -> None:
+           beta1: float, beta2: float, lr: Union[Tensor, TensorLr], weight_decay: float, eps: float,
+           decoupled_weight_decay: bool, table: Tensor, tail: Optional[EagerAdamTail] = None) -> None:
     """One non-capturable Adam/AdamW update (torch's ``foreach`` or for-loop path) with the host's scalars read from
-    the device: ``lr`` a float64 0-d tensor, ``table`` a :class:`ScalarTable`'s values. See the module docstring."""
+    the device: ``lr`` a float64 0-d tensor (the group's float), or a :class:`TensorLr` (a tensor ``lr``: the
+    for-loop path), ``table`` a :class:`ScalarTable`'s values. See the module docstring."""
     if not params:
         return
     if maximize:
@@ -192,8 +271,13 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     reciprocal = kind if kind in ("double", "float32") else None
     step_size, bc2_sqrt = device_scalars(table, torch.stack(steps), lr, reciprocal)
     if weight_decay != 0:
-        if decoupled_weight_decay:
-            factor = decay_factor(lr, weight_decay)  # the float32 a Python scalar becomes in the multiply
+        if decoupled_weight_decay and isinstance(lr, TensorLr) and not lr.on_host:
+            factor = lr.decay_factor(weight_decay)
+            for p in params:
+                p.mul_(factor)  # a 0-d tensor on the parameters' device, as in the eager step
+        elif decoupled_weight_decay:
+            # the float32 a Python scalar (or a CPU 0-d tensor) becomes in the multiply
+            factor = lr.factor if isinstance(lr, TensorLr) else decay_factor(lr, weight_decay)
             if params[0].dtype == torch.bfloat16 and params[0].device.type != "cpu":
                 # CUDA's ``_foreach_mul_``/``mul_`` with a float32 0-d tensor would round it to BFloat16 first (the
                 # CPU's reads it as a scalar in float32, as a Python float)
@@ -248,11 +332,13 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
 
 
 class _Group:
-    """Per param group: the device lr, its host value, the table and the step bounds the host knows."""
+    """Per param group: the device lr (a float's float64, or a tensor's :class:`TensorLr`), the float's host value,
+    the table and the step bounds the host knows."""
 
-    def __init__(self, lr: float, table: ScalarTable, device: torch.device, lo: int, hi: int) -> None:
-        self.lr_value = lr
-        self.lr = torch.tensor(lr, dtype=torch.float64, device=device)
+    def __init__(self, lr: Any, table: ScalarTable, device: torch.device, lo: int, hi: int) -> None:
+        self.lr_value: Any = None
+        self.lr = torch.zeros((), dtype=torch.float64, device=device)
+        self.tensor_lr: Optional[TensorLr] = TensorLr(lr, device) if isinstance(lr, Tensor) else None
         self.table = table
         self.lo, self.hi = lo, hi  # the smallest and the largest step counter when last read (or state created)
 
@@ -290,7 +376,7 @@ class UserMathAdam(UserStep):
         for g, (lo, hi) in zip(opt.param_groups, bounds):
             betas = (float(g["betas"][0]), float(g["betas"][1]))
             table = tables.get(betas) or tables.setdefault(betas, ScalarTable(*betas, self.device))
-            self.groups.append(_Group(float(g["lr"]), table, self.device, lo, hi))
+            self.groups.append(_Group(g["lr"], table, self.device, lo, hi))
         self._count0 = self.step_count() if self.step_count is not None else 0
         self._calls = 0
         self.sync()
@@ -320,24 +406,38 @@ class UserMathAdam(UserStep):
 
     # -- per step ------------------------------------------------------------------------------
     def sync(self) -> Optional[str]:
-        """Before every step: copy changed float ``lr`` values to the device and fill the tables ahead."""
+        """Before every step: copy changed float ``lr`` values (a tensor ``lr``: its value) to the device and fill the
+        tables ahead. Returns what changed kind (a float ``lr`` became a tensor or back, a tensor of another dtype or
+        place): graphs captured before hold other operations."""
         taken = self.step_count() - self._count0 if self.step_count is not None else self._calls
         self._calls += 1
-        for group, g in zip(self.optimizer.param_groups, self.groups):
+        changed = None
+        for i, (group, g) in enumerate(zip(self.optimizer.param_groups, self.groups)):
             b1, b2 = group["betas"]
             if (b1, b2) != g.table.betas:  # a new constant: the engine re-captures (OptimizerPrep's frozen scalars)
                 g.table = ScalarTable(float(b1), float(b2), self.device)
             lr = group["lr"]
-            if lr != g.lr_value:
-                g.lr.fill_(float(lr))
-                g.lr_value = lr
+            if isinstance(lr, Tensor):
+                if g.tensor_lr is None or not g.tensor_lr.matches(lr, self.device):
+                    g.tensor_lr = TensorLr(lr, self.device)
+                    changed = f"param group {i}: lr is now a {lr.dtype} tensor on {lr.device.type}"
+                g.tensor_lr.fill(lr, group["weight_decay"])
+            else:
+                if g.tensor_lr is not None:
+                    g.tensor_lr, g.lr_value = None, None
+                    changed = f"param group {i}: lr is now a float"
+                if lr != g.lr_value:
+                    g.lr.fill_(float(lr))
+                    g.lr_value = lr
             upper = g.hi + taken + 1  # no counter can be past this after the coming step
             table = g.table
             if upper > table.filled_to:
                 if upper + CHUNK - SLOTS >= g.lo:  # the ring would overwrite steps a counter may still be at
                     self._reread()
-                    return self.sync()
+                    again = self.sync()
+                    return changed or again
                 table.fill_to(upper + CHUNK)
+        return changed
 
     def _reread(self) -> None:
         for g, (lo, hi) in zip(self.groups, self._read_counters()):
@@ -350,6 +450,9 @@ class UserMathAdam(UserStep):
         out: list[tuple[str, Tensor]] = []
         for i, g in enumerate(self.groups):
             out.append((f"param group {i} lr (float64) tensor", g.lr))
+            if g.tensor_lr is not None:
+                out.append((f"param group {i} tensor lr copy", g.tensor_lr.value))
+                out.append((f"param group {i} decay factor", g.tensor_lr.factor))
             out.append((f"param group {i} bias-correction table", g.table.values))
         return out
 
@@ -364,6 +467,7 @@ class UserMathAdam(UserStep):
             foreach = runs_foreach(group, params)
             beta1, beta2 = group["betas"]
             update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=bool(foreach),
-                   amsgrad=group["amsgrad"], maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=g.lr,
+                   amsgrad=group["amsgrad"], maximize=group["maximize"], beta1=beta1, beta2=beta2,
+                   lr=g.tensor_lr if g.tensor_lr is not None else g.lr,
                    weight_decay=group["weight_decay"], eps=group["eps"],
                    decoupled_weight_decay=group["decoupled_weight_decay"], table=g.table.values, tail=self.tail)

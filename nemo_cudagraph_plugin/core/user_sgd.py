@@ -295,7 +295,7 @@ class UserMathSGD(UserStep):
             bufs: list[Optional[Tensor]] = []
             if sgd_init_group(opt, group, params, grads, bufs):
                 raise RuntimeError("a sparse gradient cannot be updated inside a graph (its shape changes)")
-            foreach = runs_foreach(group, params)
+            foreach = runs_foreach(group, params, adam=False)
             update(params, grads, bufs, foreach=bool(foreach), weight_decay=group["weight_decay"],
                    momentum=group["momentum"], dampening=group["dampening"], nesterov=group["nesterov"],
                    maximize=group["maximize"], lr=g.tensor, tail=self.tail)

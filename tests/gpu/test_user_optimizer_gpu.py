@@ -37,6 +37,10 @@ FORMS = {
     "sgd-foreach-plain": (torch.optim.SGD, {"lr": SGD_LR}),
     "sgd-for-loop-dampening-maximize": (torch.optim.SGD, {"lr": 1e-3, "foreach": False, "momentum": 0.8,
                                                           "dampening": 0.1, "maximize": True}),
+    # a tensor lr with foreach unset: torch's for-loop update with tensor operations on the lr (on the GPU, or on the
+    # CPU where torch computes the step size and AdamW's decay factor with the CPU's kernels)
+    "adamw-tensor-lr": (torch.optim.AdamW, {**ADAM, "lr": lambda: torch.tensor(LR, device="cuda")}),
+    "adamw-tensor-lr-host": (torch.optim.AdamW, {**ADAM, "lr": lambda: torch.tensor(LR)}),
 }
 # torch's fused update: its float lr is a kernel argument, set in the graph before each replay (core/kernel_args.py)
 FUSED = {"adamw-fused": (torch.optim.AdamW, {**ADAM, "fused": True}),
@@ -156,7 +160,7 @@ def test_the_for_loop_update_200_steps_equals_the_users_eager_run_and_its_counte
     assert_step_given_back(opt)
 
 
-ADAM_FORMS = ["adamw-foreach", "adam-amsgrad-maximize", "adamw-for-loop"]
+ADAM_FORMS = ["adamw-foreach", "adam-amsgrad-maximize", "adamw-for-loop", "adamw-tensor-lr", "adamw-tensor-lr-host"]
 SGD_FORMS = sorted(f for f in FORMS if f.startswith("sgd"))
 
 
