@@ -171,6 +171,11 @@ RECIPES: dict[str, tuple[str, str]] = {
     "nvfp4": ("NVFP4BlockScaling", "is_nvfp4_available"),
 }
 DEFAULT_RECIPES = ["delayed", "current", "block"]
+#: recipes whose FP8 primary weights ``MasterWeightAdamW`` (the FP32-master optimizer every FP8 row trains with)
+#: writes: per-tensor ``Float8Tensor``; a block-scaled, MXFP8 or NVFP4 weight it refuses when it is built
+MASTER_WRITES = ("delayed", "current")
+NO_MASTER_WRITER = ("MasterWeightAdamW, the FP32-master optimizer every FP8 row trains with, writes per-tensor "
+                    "FP8 weights (delayed and current scaling) only; this recipe's block-scaled weights it refuses")
 
 
 @dataclass(frozen=True)
@@ -704,10 +709,13 @@ def write_docs(data: dict, block: str, page: Path = PAGE) -> None:
 
 
 def _unsupported_records(plan: list[dict], support: dict) -> tuple[list[dict], list[dict]]:
-    """The plan's jobs of recipes the probe found unsupported, as records saying why, and the jobs left to run."""
+    """The plan's jobs of recipes the probe found unsupported (or whose weights no optimizer here writes from FP32
+    masters: :data:`MASTER_WRITES`), as records saying why, and the jobs left to run."""
     todo, recs = [], []
     for j in plan:
         ok = support.get(j["workload"]["recipe"], (True, "")) if j["kind"] == "variant" else (True, "")
+        if ok[0] and j["kind"] == "variant" and j["workload"]["recipe"] not in MASTER_WRITES:
+            ok = (False, NO_MASTER_WRITER)
         if ok[0]:
             todo.append(j)
         else:

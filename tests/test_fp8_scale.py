@@ -327,3 +327,19 @@ def test_the_cpu_smoke_run_goes_through_the_harness_plumbing_and_resumes(tmp_pat
                            text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "3 jobs, 3 done" in again.stdout and "[lane" not in again.stdout
+
+
+def test_a_recipe_whose_weights_no_fp32_master_optimizer_here_writes_is_not_run_and_says_why():
+    # block scaling runs on Hopper (TE's check passes), but MasterWeightAdamW, which every FP8 row trains with, refuses
+    # its block-scaled weights: the group is reported as not run before any device time is spent on it
+    plan = fs.make_plan(["delayed", "block"], ["bf16", "te_eager", "ours"], 1, SETTINGS)
+    support = {"delayed": (True, ""), "block": (True, "")}
+    recs, todo = fs._unsupported_records(plan[1:], support)
+    assert [j["key"] for j in todo] == ["0/llama0.85b-delayed/te_eager", "0/llama0.85b-delayed/ours",
+                                        "0/llama0.85b-delayed/bf16"]
+    assert {r["key"] for r in recs} == {"0/llama0.85b-block/te_eager", "0/llama0.85b-block/ours",
+                                        "0/llama0.85b-block/bf16"}
+    assert all("MasterWeightAdamW" in r["unsupported"] for r in recs)
+    # TE's own reason wins where TE refuses the recipe
+    recs, _ = fs._unsupported_records(plan[1:], {"block": (False, "FP8 block scaled GEMM requires CUDA >= 12.9")})
+    assert all(r["unsupported"].startswith("FP8 block scaled GEMM") for r in recs)

@@ -603,8 +603,9 @@ def masterless_optimizer(optimizer: Any) -> Optional[str]:
                 "every step rounds the updated weight back to the quantized format and loses each update smaller "
                 "than its spacing: training goes wrong silently")
     if is_te_optimizer(optimizer, "FusedAdam") and not getattr(optimizer, "master_weights", False):
-        return ("TransformerEngine's FusedAdam(master_weights=False) keeps no FP32 master copy: it leaves FP8 "
-                "Float8Tensor parameters as they are and refuses other quantized ones at its step (TE 2.20)")
+        return ("TransformerEngine's FusedAdam(master_weights=False) keeps no FP32 master copy: it updates "
+                "delayed-scaling Float8Tensor parameters in FP8 directly and raises at its step for other quantized "
+                "ones, current-scaling Float8Tensor included (TE 2.20)")
     return None
 
 
