@@ -107,7 +107,8 @@ class CaptureConfig:
             ``lr`` set in the graph's kernel arguments before each replay
             (:mod:`nemo_cudagraph_plugin.core.user_fused_adam`). Other optimizers and settings (fused SGD, fused and
             non-fused groups mixed, tensor betas, a tensor ``lr`` of SGD, ``nan_action="skip"`` with a non-fused
-            optimizer) get the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step, ``stats.optimizer_math_gap`` by how much.
+            optimizer) get the capturable preparation; ``stats.optimizer_math`` says why and, after a verified step,
+            ``stats.optimizer_math_gap`` by how much.
             ``"capturable"``: always the capturable preparation (``capturable=True``, ``lr`` a float32 device tensor,
             bias corrections computed on the device in float32): bitwise equal to eager training with that
             preparation, about 1e-4 relative from your own run.
