@@ -1177,8 +1177,8 @@ MUTANTS: list[Mutant] = [
            "fast_adam's default names every optimizer that is not Adam as a reason it was not used"),
     # -- optimizer_math="eager": the user's own Adam/AdamW update, its host scalars read from the device ----------------
     Mutant("user-adam-step-size-in-float32", "cpu", UADAM,
-           "    step_size = ((lr / row[0]) * -1).to(torch.float32)",
-           "    step_size = (lr.float() / row[0].float()) * -1",
+           " else ((lr / row[0]) * -1).to(torch.float32)",
+           " else (lr.float() / row[0].float()) * -1",
            (UA + "test_device_scalars_are_torchs_host_scalars_bit_for_bit_over_a_million_steps[0.9-0.999-0.001-0.01]",
             UA + "test_a_graphed_fit_with_the_users_adamw_equals_their_eager_fit_bitwise[adamw-foreach]"),
            "the step size is computed in float32 on the device instead of the host's float64"),
