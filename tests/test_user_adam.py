@@ -537,10 +537,11 @@ def test_a_tensor_lr_keeps_the_capturable_math_where_torch_does_not_run_the_for_
     assert user_adam.why_not(torch.optim.AdamW([p], lr=torch.tensor(LR)), "cpu") is None
 
 
-def test_a_host_tensor_lr_with_gpu_parameters_computes_its_decay_factor_as_the_cpu_does():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_host_tensor_lr_with_gpu_parameters_computes_its_decay_factor_as_the_cpu_does(dtype):
     # the user's lr on the CPU while the parameters are on a GPU: torch computes ``1 - lr * wd`` and ``lr / bc1``
     # with the CPU's kernels; the copy forms the same on the host (the factor) and divides as the CPU does
-    lr = torch.tensor(3e-4, dtype=torch.float64)
+    lr = torch.tensor(3e-4, dtype=dtype)
     tl = user_adam.TensorLr(lr, torch.device("cpu"))
     tl.on_host = True  # as with CUDA parameters
     tl.fill(lr, 0.1)
