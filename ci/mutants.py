@@ -1285,14 +1285,14 @@ MUTANTS: list[Mutant] = [
            "the for-loop denominator of BFloat16 tensors multiplies by the reciprocal rounded to BFloat16 (torch's "
            "CUDA kernel keeps it in float32, the opmath type); in the interpreter"),
     Mutant("for-loop-reciprocal-in-float32", "cpu", "nemo_cudagraph_plugin/core/user_adam.py",
-           "        return step_size, (1.0 / bc2s).to(torch.float32)\n",
-           "        return step_size, 1.0 / bc2s.to(torch.float32)\n",
+           "        return (1.0 / divisor).to(dtype)\n",
+           "        return 1.0 / divisor.to(torch.float32)\n",
            (UA + "test_the_for_loop_reciprocal_is_formed_in_double_or_in_float32_as_asked_bit_for_bit",),
            "the reciprocal torch 2.11 forms in double is formed in float32 (off by one unit in the last place for "
            "some steps)"),
     Mutant("for-loop-reciprocal-not-passed", "cpu", "nemo_cudagraph_plugin/core/user_adam.py",
-           '    reciprocal = kind if kind in ("double", "float32") else None\n',
-           "    reciprocal = None\n",
+           '    multiplies = kind in ("double", "float32")\n',
+           "    multiplies = False\n",
            (UA + "test_warm_compiles_every_kernel_variant_the_update_launches",),
            "the for-loop update on CUDA divides by bias_correction2_sqrt instead of multiplying by the reciprocal"),
     Mutant("unknown-division-still-claims-the-users-math", "cpu", "nemo_cudagraph_plugin/core/user_adam.py",

@@ -409,7 +409,7 @@ def test_the_for_loop_denominator_multiplies_by_the_reciprocal_as_torchs_cuda_di
     scale = 1.0 if dtype == torch.float32 else 100.0  # BFloat16: updates above the parameters' rounding
     step_size = torch.tensor([-3e-4 * scale / (1 - 0.9 ** k) for k in (3, 1000, 100, 3, 7, 5000, 1)],
                              dtype=torch.float64).float()
-    recips = (1.0 / bc2s64).to(torch.float32)  # what device_scalars(reciprocal="double") forms
+    recips = (1.0 / bc2s64).to(torch.float32)  # what device_scalars(kind="double") forms
     before = [p.clone() for p in ps]
     EagerAdamTail(block=16, iters=2, num_warps=1)(ps, ms, vs, recips, step_size, 1e-8, reciprocal=True)
     eps = torch.tensor(1e-8, dtype=torch.float32)

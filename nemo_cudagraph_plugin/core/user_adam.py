@@ -113,17 +113,23 @@ class ScalarTable:
         self.filled_to = last
 
 
+def reciprocal(divisor: Tensor, kind: Optional[str], dtype: torch.dtype = torch.float32) -> Tensor:
+    """The reciprocal torch's CUDA kernel multiplies by when it divides a ``dtype`` tensor by the Python float
+    ``divisor`` (given as float64), ``kind`` as :func:`._torch_compat.scalar_division` names it: formed in double and
+    rounded once (``"double"``; a float64 tensor's always), or ``1.0f / float32(divisor)`` (``"float32"``)."""
+    if kind == "double" or (kind == "float32" and dtype == torch.float64):
+        return (1.0 / divisor).to(dtype)
+    if kind == "float32":
+        return 1.0 / divisor.to(torch.float32)
+    raise ValueError(f"no reciprocal {kind!r}")
+
+
 def divided(x: Tensor, divisor: Tensor, kind: Optional[str]) -> Tensor:
-    """``x / d`` for a Python float ``d`` (given as the float64 ``divisor``) as torch's kernel computes it, ``kind`` as
-    :func:`._torch_compat.scalar_division` names it: an IEEE division by ``d`` in ``x``'s dtype (``"divide"``), or a
-    multiply by the reciprocal formed in double (``"double"``; a float64 ``x`` always) or in float32 (``"float32"``)."""
+    """``x / d`` for a Python float ``d`` (given as the float64 ``divisor``) as torch's kernel computes it: an IEEE
+    division by ``d`` in ``x``'s dtype (``"divide"``), else a multiply by its :func:`reciprocal`."""
     if kind == "divide":
         return x / divisor.to(x.dtype)
-    if kind == "double" or x.dtype == torch.float64:
-        return x * (1.0 / divisor).to(x.dtype)
-    if kind == "float32":
-        return x * (1.0 / divisor.to(torch.float32))
-    raise ValueError(f"no division {kind!r}")
+    return x * reciprocal(divisor, kind, x.dtype)
 
 
 class TensorLr:
@@ -174,12 +180,12 @@ class TensorLr:
 
 
 def device_scalars(table: Tensor, steps: Tensor, lr: Union[Tensor, TensorLr],
-                   reciprocal: Optional[str] = None) -> tuple[Tensor, Tensor]:
+                   kind: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """Per tensor: the float32 step size ``float32((lr / bc1) * -1)`` and ``float32(bc2_sqrt)`` for device step
     counters ``steps`` (float, already incremented), from ``table`` (:attr:`ScalarTable.values`) and a float64 ``lr``
     (a :class:`TensorLr`: its :meth:`~TensorLr.step_size`).
-    With ``reciprocal`` the second is the float32 that CUDA's division by the Python float ``bc2_sqrt`` multiplies by
-    instead (``_torch_compat.scalar_division_kind``): ``"double"``: ``float32(1.0 / bc2_sqrt)``; ``"float32"``:
+    With ``kind`` the second is the float32 that CUDA's division by the Python float ``bc2_sqrt`` multiplies by
+    instead (its :func:`reciprocal`): ``"double"``: ``float32(1.0 / bc2_sqrt)``; ``"float32"``:
     ``1.0f / float32(bc2_sqrt)``.
 
     The float64 ``/`` and ``*`` are IEEE operations (the host's doubles); the casts round to nearest, as torch's
@@ -187,15 +193,9 @@ def device_scalars(table: Tensor, steps: Tensor, lr: Union[Tensor, TensorLr],
     """
     row = table.index_select(1, steps.to(torch.int64).remainder_(SLOTS))
     step_size = lr.step_size(row[0]) if isinstance(lr, TensorLr) else ((lr / row[0]) * -1).to(torch.float32)
-    bc2s = row[1]
-    if reciprocal == "double":
-        return step_size, (1.0 / bc2s).to(torch.float32)
-    bc2s = bc2s.to(torch.float32)
-    if reciprocal == "float32":
-        return step_size, 1.0 / bc2s
-    if reciprocal is not None:
-        raise ValueError(f"no reciprocal {reciprocal!r}")
-    return step_size, bc2s
+    if kind is not None:
+        return step_size, reciprocal(row[1], kind)
+    return step_size, row[1].to(torch.float32)
 
 
 def decay_factor(lr: Tensor, weight_decay: float) -> Tensor:
@@ -268,8 +268,8 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     # the for-loop path's division by a Python float as this torch computes it on the device (why_not refuses a kind
     # it does not know): CUDA multiplies by a reciprocal formed on the host, a "divide" is the multi-tensor division
     kind = None if foreach or not use_tail else scalar_division(params[0].device)
-    reciprocal = kind if kind in ("double", "float32") else None
-    step_size, bc2_sqrt = device_scalars(table, torch.stack(steps), lr, reciprocal)
+    multiplies = kind in ("double", "float32")
+    step_size, bc2_sqrt = device_scalars(table, torch.stack(steps), lr, kind if multiplies else None)
     if weight_decay != 0:
         if decoupled_weight_decay and isinstance(lr, TensorLr) and not lr.on_host:
             factor = lr.decay_factor(weight_decay)
@@ -314,7 +314,7 @@ def update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], ex
     if use_tail:
         # the denominator from v as CUDA computes it: the multi-tensor path divides by the ScalarList's float32, the
         # for-loop path's division by a Python float multiplies by the reciprocal torch forms on the host
-        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, reciprocal=reciprocal is not None)
+        tail(params, exp_avgs, source, bc2_sqrt, step_size, eps, reciprocal=multiplies)
         return
     if params[0].device.type == "cuda":
         # why_not refuses CUDA without Triton; a tensor the kernel cannot take (not contiguous): no exact route
