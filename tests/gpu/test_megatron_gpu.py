@@ -175,8 +175,9 @@ def test_per_layer_graphs_captured_and_close_to_eager(records, tag):
     row, group = _row(records, tag)
     assert row["verdict"] != "NaN", (row, group)
     ref = records[row["reference"]]["losses"]
-    warm = rec["config"]["warmup_steps"]
-    assert rec["losses"][:warm] == ref[:warm], "the eager warm-up steps must be bitwise"
+    # megatron-core's local per-layer graphs are created at the end of the first step (its cuda_graph_warmup_steps
+    # count warm-up runs inside the capture), so only that step is certainly eager
+    assert rec["losses"][:1] == ref[:1], "the first step, before any graph, must be bitwise"
     rel = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref))
     print(f"\nPER-LAYER {tag}: verdict {row['verdict']}, loss max rel diff {rel:.3g} over {len(ref)} steps")
     assert rel <= PER_LAYER_LOSS_RTOL, (rel, row)
