@@ -146,7 +146,7 @@ class TensorLr:
 
     def __init__(self, lr: Tensor, device: torch.device) -> None:
         self.dtype = lr.dtype
-        self.on_host = lr.device.type == "cpu" and device.type != "cpu"
+        self.on_host = self._on_host(lr, device)
         self.value = torch.zeros((), dtype=lr.dtype, device=device)
         #: how the step size's division by the host's bias correction is computed (on the CPU where ``on_host``)
         self.division = scalar_division(torch.device("cpu") if self.on_host else device)
@@ -154,9 +154,13 @@ class TensorLr:
         self.factor = torch.ones((), dtype=torch.float32, device=device)
         self._host: Optional[tuple[float, float]] = None
 
+    @staticmethod
+    def _on_host(lr: Tensor, device: torch.device) -> bool:
+        return lr.device.type == "cpu" and device.type != "cpu"
+
     def matches(self, lr: Tensor, device: torch.device) -> bool:
         """Whether ``lr`` is still a tensor of this kind (dtype, where it lives)."""
-        return lr.dtype == self.dtype and (lr.device.type == "cpu" and device.type != "cpu") == self.on_host
+        return lr.dtype == self.dtype and self._on_host(lr, device) == self.on_host
 
     def fill(self, lr: Tensor, weight_decay: float) -> None:
         """Before a step: ``value`` from the user's tensor (a device copy, or a CPU read: no device sync); the
