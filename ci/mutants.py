@@ -1676,6 +1676,23 @@ MUTANTS: list[Mutant] = [
            (FM + "test_a_resumed_run_equals_the_uninterrupted_one_with_fp32_masters_kept",),
            "MasterWeightAdamW's checkpoint loads through torch's path: the FP32 masters of BF16 weights are rounded to "
            "BF16 on resume, and the resumed run drifts from the uninterrupted one"),
+    # -- a hyperparameter the step's own code assigns, before the update it runs eagerly or replays on its own ----------
+    Mutant("user-update-reads-the-value-synced-before-the-step", "cpu", "nemo_cudagraph_plugin/core/user_step.py",
+           "        if self.before_update is not None and not kernel_args.capture_open():\n",
+           "        if False:\n",
+           (LT + "test_lr_assigned_inside_optimizer_step_trains_as_eager_when_the_refusal_falls_back_to_eager[eager]",),
+           "the captured user update run eagerly reads the lr copied before the step: one set in optimizer_step lags"),
+    Mutant("optimizer-graph-replays-without-the-step-s-assignments", "cpu", POPT,
+           "        self._before_update()\n        deferred, self._deferred = self._deferred, []\n",
+           "        deferred, self._deferred = self._deferred, []\n",
+           (PT + "test_lightning_partial_graphs_use_the_lr_optimizer_step_assigns_in_that_step[capturable_math-modules]",),
+           "the partial tier's optimizer graph replays with the lr of the step before, not the one optimizer_step set"),
+    Mutant("refused-stand-in-capture-keeps-its-writes", "cpu", E,
+           "            if isinstance(writes, WriteRecorder):\n                writes.restore()\n            undo()\n"
+           "            return self._handle_capture_error(err, err, fn, batch)\n",
+           "            undo()\n            return self._handle_capture_error(err, err, fn, batch)\n",
+           (LT + "test_lr_assigned_inside_optimizer_step_trains_as_eager_when_the_refusal_falls_back_to_eager[capturable]",),
+           "a capture that ran the step (the stand-in) and was refused keeps what it wrote: the step runs twice"),
 ]
 
 

@@ -107,8 +107,11 @@ class TinyGPT(GPTLightningModule):
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         if self.lr_in_optimizer_step:
+            step = self.trainer.global_step
+            # True: a warm-up to LR over 4 steps; "cycle": a new value every step (1x, 2x, 3x LR)
+            scale = 1 + step % 3 if self.lr_in_optimizer_step == "cycle" else min(1.0, (step + 1) / 4)
             for pg in optimizer.param_groups:
-                pg["lr"] = LR * min(1.0, (self.trainer.global_step + 1) / 4)  # LR-IN-STEP
+                pg["lr"] = LR * scale  # LR-IN-STEP
         optimizer.step(closure=optimizer_closure)
 
     def configure_optimizers(self):
@@ -742,6 +745,20 @@ def test_lr_assigned_inside_optimizer_step_is_refused_at_capture_naming_the_line
     assert info.value.rule == "hyperparameter-in-step"
     assert f"{__file__}:{line}" in msg and "`optimizer_step`" in msg and "param_groups[0]['lr']" in msg
     assert "LambdaLR" in msg
+
+
+@pytest.mark.parametrize("math_", ["eager", "capturable"])
+def test_lr_assigned_inside_optimizer_step_trains_as_eager_when_the_refusal_falls_back_to_eager(math_):
+    """on_capture_error="eager": the steps before the refused capture and every step after it use the lr that
+    `optimizer_step` assigned just before the update, as eager training does (not the one of the step before)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        g = fit(steps=10, module_kw={"lr_in_optimizer_step": "cycle"},
+                cb_kw={"on_capture_error": "eager", "optimizer_math": math_})
+    e = eager(steps=10, module_kw={"lr_in_optimizer_step": "cycle"})
+    assert g.stats.captures == 0 and g.stats.eager_reasons.get("capture error") == 1, g.stats.summary()
+    assert sum("assigns optimizer.param_groups" in str(w.message) for w in seen) == 1  # one warning, the reason
+    assert_same(g, e)
 
 
 class SetLR(pl.Callback):

@@ -1478,3 +1478,49 @@ def test_islands_report_the_host_time_of_their_own_code():
     assert 30 <= host["1.sleeper"] < 60, host
     assert 5 <= host["1"] < 20, host  # its own code: the child island's 30 ms are not counted here
     assert "1.sleeper (3" in g[3].stats.summary() and "ms/step on the host" in g[3].stats.summary()
+
+
+@pytest.mark.lightning_adapter
+@pytest.mark.parametrize("scope", ["modules", "auto"])
+@pytest.mark.parametrize("optimizer", ["fused_adamw", "sgd", "capturable_math"])
+def test_lightning_partial_graphs_use_the_lr_optimizer_step_assigns_in_that_step(scope, optimizer):
+    """A learning rate the user's `optimizer_step` assigns before calling the optimizer (a hand-written schedule,
+    a new value every step): the partial tier runs that hook eagerly, so its update, eager or replayed, reads the
+    value assigned just before it, as eager training does. ``"auto"``: the whole step is refused for the host read
+    and for this assignment alike, and the partial tier takes over."""
+    lt = _lightning()
+    cls = _GuardedGPT.make(lt)
+
+    def make():
+        return cls(sgd=optimizer == "sgd", lr_in_optimizer_step="cycle")
+
+    cb_kw = {"scope": scope, "nan_guard": False}
+    if optimizer == "capturable_math":
+        cb_kw["optimizer_math"] = "capturable"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, make, True, cb_kw, steps=12)
+    e = _fit(lt, make, False, steps=12)
+    lt.assert_same(g, e)
+    rep = g.stats.partial
+    assert rep is not None and rep.optimizer.startswith("graphed") and rep.optimizer_replays >= 5, g.stats.summary()
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_auto_trains_an_lr_assigned_in_optimizer_step_with_partial_graphs():
+    """No host read: only the assignment keeps the whole step from a graph. ``scope="auto"`` hands over to the
+    partial tier (one warning naming the line), whose steps equal eager training."""
+    lt = _lightning()
+
+    def make():
+        return lt.TinyGPT(lr_in_optimizer_step="cycle")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        g = _fit(lt, make, True, {"scope": "auto", "nan_guard": False}, steps=12)
+    e = _fit(lt, make, False, steps=12)
+    lt.assert_same(g, e)
+    said = [str(w.message) for w in seen if "scope='auto'" in str(w.message)]
+    assert len(said) == 1 and "LR-IN-STEP" not in said[0] and "param_groups[0]['lr']" in said[0], said
+    rep = g.stats.partial  # nothing reads the host: the whole module's forward and backward is one graph
+    assert rep is not None and rep.graphed == [""] and rep.optimizer_replays >= 5, g.stats.summary()

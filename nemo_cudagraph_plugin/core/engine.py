@@ -78,7 +78,7 @@ from .buffers import StaticInputs, flatten, signature_of, unflattener
 from .config import CaptureConfig, CaptureStats
 from .errors import CaptureError, capture_error_from, is_sync_error, root_cause
 from .graph_cache import GraphCache
-from .parity import StepParity
+from .parity import StepParity, WriteRecorder
 from .rng import GeneratorRegistry
 
 __all__ = ["CaptureEngine", "GraphEntry", "PartialTier"]
@@ -455,6 +455,9 @@ class CaptureEngine:
         book = self.addresses
         before_ptrs = book.now(with_grads=not owns)
         undo = self.adapter.host_state()
+        # A backend whose capture runs the step (a stand-in) has written it once: a refused capture puts that back
+        # before the step runs eagerly. CUDA's capture only records, and writes nothing.
+        writes = WriteRecorder() if be.capture_runs_work else contextlib.nullcontext()
 
         try:
             # The adapter's hazard checks: contexts around the capture (they may raise CaptureError on exit) and
@@ -462,17 +465,21 @@ class CaptureEngine:
             with contextlib.ExitStack() as checks:
                 for make in self.adapter.capture_contexts():
                     checks.enter_context(make())
-                with self._pool.capture(graph, self._side_stream()):
+                with self._pool.capture(graph, self._side_stream()), writes:
                     out = fn(inputs.batch)
             for check in self.adapter.post_capture_checks():
                 check()
             out_leaves, out_spec = flatten(out)
             io = be.finish(graph, (inputs.leaves, out_leaves))  # the backend decided io_in_graph once
         except CaptureError as err:  # a hazard check refused this capture
+            if isinstance(writes, WriteRecorder):
+                writes.restore()
             undo()
             return self._handle_capture_error(err, err, fn, batch)
         except Exception as exc:  # noqa: BLE001
             original = root_cause(exc)
+            if isinstance(writes, WriteRecorder):
+                writes.restore()
             undo()
             err = capture_error_from(original, "capture")
             return self._handle_capture_error(err, original, fn, batch)

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Optional
 
-__all__ = ["HostScalars", "capture_scope", "float_bits", "live_slot"]
+__all__ = ["HostScalars", "capture_open", "capture_scope", "float_bits", "live_slot"]
 
 # A quiet NaN (exponent all ones, bit 51 set) with a marker in the high payload bits and a counter in the low ones:
 # no arithmetic produces these bits, and two slots never share them.
@@ -92,6 +92,11 @@ def capture_scope() -> Iterator[dict[int, tuple[HostScalars, int]]]:
         yield used
     finally:
         _local.used = prev
+
+
+def capture_open() -> bool:
+    """Whether a backend is capturing a graph on this thread (CUDA's or a stand-in: the scope both open)."""
+    return getattr(_local, "used", None) is not None
 
 
 def live_slot(value: object) -> Optional[tuple[HostScalars, int]]:

@@ -193,6 +193,7 @@ class OptimizerPrep:
         math: str = "capturable",
         step_count: Optional[Callable[[], int]] = None,
         device_type: Optional[str] = None,
+        before_update: Optional[Callable[[], None]] = None,
     ) -> None:
         check_torch_version()
         check_optimizer_supported(optimizer)
@@ -200,6 +201,8 @@ class OptimizerPrep:
         self.math = math
         self.step_count = step_count
         self.device_type = device_type or device.type
+        #: handed to the captured user update (:attr:`.user_step.UserStep.before_update`)
+        self.before_update = before_update
         #: the user's own update, captured (``math="eager"`` where it applies), else ``None``
         self.user: Optional[UserStep] = None
         #: why the graphed update is not the user's own (``""`` when it is)
@@ -295,6 +298,7 @@ class OptimizerPrep:
         self.user = (user_sgd.UserMathSGD(opt, self.device) if sgd
                      else user_fused_adam.UserMathFusedAdam(opt, self.device, previous) if fused
                      else user_adam.UserMathAdam(opt, self.device, self.step_count))
+        self.user.before_update = self.before_update
         self.user.install()
         if self.skip_nonfinite and self.found_inf is None:
             # only the fused update gets here with it (why_not): its kernel reads the flag and skips on the device

@@ -187,13 +187,15 @@ class PartialGraphs:
         return forward
 
     def graph_optimizer(self, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.Tensor]],
-                        tensors: Any, on_capture: Any = lambda: None) -> OptimizerGraph:
+                        tensors: Any, on_capture: Any = lambda: None,
+                        before_update: Any = lambda: None) -> OptimizerGraph:
         """Graph the optimizer side of each step (:class:`~.partial_optimizer.OptimizerGraph`: deferred clipping and
         the update, in this tier's memory pool, after its warm-up); given back by :meth:`close`."""
         self.optimizer = OptimizerGraph(
             optimizer, named_params, tensors, self.backend, self.device, stream=lambda: self._stream,
             pool=self._pool, tally=self.tally, report=self.report,
-            active=lambda: self._in_step and self._warmup_left == 0, on_capture=on_capture)
+            active=lambda: self._in_step and self._warmup_left == 0, on_capture=on_capture,
+            before_update=before_update)
         return self.optimizer
 
     def _graphs_live(self) -> bool:

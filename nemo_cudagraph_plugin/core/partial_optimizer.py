@@ -16,7 +16,8 @@ own. :class:`OptimizerGraph` takes over one optimizer instance's ``step`` (an in
 algorithm). **Guards**, before every replay: each parameter's gradient is the tensor the graph was captured with (a
 gradient set to ``None`` or replaced is a new capture, with one warning); with :attr:`OptimizerGraph.dirty` set (a
 state loaded, a re-prepared optimizer) every address the graph reads is compared. Hyperparameters are the owner's
-to guard (:meth:`OptimizerGraph.invalidate`).
+to guard (:meth:`OptimizerGraph.invalidate`), also those assigned inside the step, before the update (an ``lr`` set in
+the framework's optimizer hook): its ``before_update`` runs after the closure, before a graph is looked up.
 
 **Set aside** inside :meth:`OptimizerGraph.eager` (``verify_steps``' eager half): nothing is deferred and the update
 this object took over runs eagerly; no key, graph or count of this object changes.
@@ -76,13 +77,18 @@ class OptimizerGraph:
         report: where the tier's counters go (``optimizer``, ``optimizer_captures``, ``optimizer_replays``).
         active: whether a step of the tier is running past its warm-up (else the update runs eagerly).
         on_capture: called after each capture (the owner keeps the gradients it addresses).
+        before_update: called after the closure, before the update's graph is looked up: the owner copies what code
+            inside the step assigned (an ``lr`` set in the framework's optimizer hook) to the device values the graph
+            reads, and drops the graphs (:meth:`invalidate`) when a value they bake in changed.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, Tensor]],
                  tensors: Callable[[], list[tuple[str, Tensor]]], backend: GraphBackend, device: torch.device, *,
                  stream: Callable[[], Any], pool: CapturePool, tally: ReplayTally, report: PartialStats,
-                 active: Callable[[], bool], on_capture: Callable[[], None] = lambda: None) -> None:
+                 active: Callable[[], bool], on_capture: Callable[[], None] = lambda: None,
+                 before_update: Callable[[], None] = lambda: None) -> None:
         self.optimizer, self.named_params, self.tensors = optimizer, named_params, tensors
+        self._before_update = before_update
         self.backend, self.device = backend, device
         self._stream, self._pool, self._active, self._on_capture = stream, pool, active, on_capture
         self.tally, self.report = tally, report
@@ -113,6 +119,7 @@ class OptimizerGraph:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._before_update()
         deferred, self._deferred = self._deferred, []
         key = tuple((fn, tuple(_plain(a) for a in args), tuple(sorted((k, _plain(v)) for k, v in kw.items())))
                     for fn, args, kw in deferred)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from . import kernel_args
 from ._torch_compat import mark_step_called
 
 __all__ = ["SKIP_NONFINITE", "UserStep"]
@@ -35,6 +36,10 @@ class UserStep:
         self.installed = False
         self._own: Any = _ABSENT
         self._step: Callable[..., Any] = torch.optim.Optimizer.profile_hook_step(self._run)
+        #: called before an update that runs eagerly (not in a capture), after the closure: the owner copies what code
+        #: inside the step assigned (an ``lr`` set in Lightning's ``optimizer_step``) to the device values the update
+        #: reads, so this update uses it, as torch's own step would
+        self.before_update: Optional[Callable[[], None]] = None
 
     def _run(self, opt: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         """What torch's ``step`` does around its update: the closure with gradients on, the call counted (an LR
@@ -44,6 +49,8 @@ class UserStep:
             with torch.enable_grad():
                 loss = closure()
         mark_step_called(opt)
+        if self.before_update is not None and not kernel_args.capture_open():
+            self.before_update()
         with torch.no_grad():
             self._update(opt)
         return loss

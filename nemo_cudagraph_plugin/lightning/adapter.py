@@ -125,7 +125,8 @@ class LightningStepAdapter:
         device_type = backend.device_type if backend is not None else None
         try:
             self.prep = OptimizerPrep(optimizer, pl_module.device, skip_nonfinite=config.nan_skips,
-                                      math=config.optimizer_math, step_count=global_step, device_type=device_type)
+                                      math=config.optimizer_math, step_count=global_step, device_type=device_type,
+                                      before_update=self._sync_in_step)
             self.prep.apply()
         except TypeError as exc:  # only the preparation's TypeError is a refusal, not one of the code below
             raise OptimizerNotPrepared(str(exc)) from exc
@@ -206,7 +207,7 @@ class LightningStepAdapter:
             self.prep.optimizer, list(named),
             lambda: [*named, *((f"{n}.grad", p.grad) for n, p in named if p.grad is not None),
                      *self.prep.state_tensors(names)],
-            on_capture=self._keep_partial_grads)
+            on_capture=self._keep_partial_grads, before_update=self._sync_in_step)
 
     def _keep_partial_grads(self) -> None:
         """The gradients the optimizer's graph reads (zeroed in place in this tier); given back after Lightning
@@ -426,6 +427,15 @@ class LightningStepAdapter:
             self.engine.disable(msg)
             return msg
         return f"optimizer hyperparameter changed ({changed}); it is baked into the graph as a constant"
+
+    def _sync_in_step(self) -> None:
+        """Before an update that runs eagerly or replays on its own (the partial tier's optimizer graph), after the
+        step's code ran up to it: what that code assigned (an lr set in ``optimizer_step``) reaches the values the
+        update reads, as in eager training. Whole-step graphs refuse such an assignment at capture
+        (``_refuse_group_writes``): their replays run no Python."""
+        reason = self._hyperparam_guard()
+        if reason is not None:
+            self.engine.invalidate(reason)
 
     def _module_guard(self) -> Optional[str]:
         """Before every step: a module value a graph baked in (``training``, ``Dropout.p``, ``requires_grad``)

@@ -9,7 +9,10 @@ Two cases, each bitwise equal to its eager reference in one process, with the co
   own AdamW update) is one graph (the reference is the plain eager run with the graph-safe attention the callback
   switches to);
 * a loss function that calls ``.item()``, ``scope="auto"``: the whole step's sync check fails at that line, the partial
-  tier takes over and graphs the whole model; the reference prepares the optimizer as the whole-step tier did.
+  tier takes over and graphs the whole model; the reference prepares the optimizer as the whole-step tier did;
+* a learning rate the user's ``optimizer_step`` sets every step, ``scope="auto"``: the whole step is refused at that
+  line (a replay would keep one value), the partial tier graphs the whole model and the update, which reads the value
+  set just before it; the reference is the user's own eager run.
 """
 
 from __future__ import annotations
@@ -145,5 +148,33 @@ def test_verify_steps_compares_partial_steps_with_eager_steps_and_leaves_no_trac
     cb = CudaGraphCallback(scope="modules", verify_steps=3)
     losses, params = _fit(HFCausalLM(llama(**SIZE), prepare=_guard_layer), [cb])
     assert cb.stats.verified_steps == 3 and cb.stats.partial.replays > 0, cb.stats.summary()
+    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+class LrInStepLM(HFCausalLM):
+    """A schedule the user wrote into ``optimizer_step``: a new learning rate every step."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        for g in optimizer.param_groups:
+            g["lr"] = self.lr * (1 + self.trainer.global_step % 3)  # LR-IN-STEP
+        optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwise(fused):
+    pl.seed_everything(0, verbose=False)
+    eager_losses, eager_params = _fit(LrInStepLM(llama(**SIZE), prepare=graph_safe_attention, fused=fused), [])
+    pl.seed_everything(0, verbose=False)
+    cb = CudaGraphCallback(scope="auto")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses, params = _fit(LrInStepLM(llama(**SIZE), fused=fused), [cb])
+    rep = cb.stats.partial
+    print(cb.stats.summary())
+    said = [str(w.message) for w in seen if "scope='auto'" in str(w.message)]
+    assert len(said) == 1 and _line(LrInStepLM.optimizer_step, "LR-IN-STEP") in said[0], said
+    assert rep is not None and rep.graphed == ["model"] and rep.islands == {}
+    assert rep.optimizer.startswith("graphed") and rep.optimizer_replays >= STEPS - 8, rep.optimizer
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
