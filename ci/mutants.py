@@ -1693,6 +1693,16 @@ MUTANTS: list[Mutant] = [
            "            undo()\n            return self._handle_capture_error(err, err, fn, batch)\n",
            (LT + "test_lr_assigned_inside_optimizer_step_trains_as_eager_when_the_refusal_falls_back_to_eager[capturable]",),
            "a capture that ran the step (the stand-in) and was refused keeps what it wrote: the step runs twice"),
+    Mutant("auto-hands-te-models-to-partial-graphs", "cpu", ADAPTER,
+           "        elif config.scope == \"auto\" and not self._ddp and not self._te:\n",
+           "        elif config.scope == \"auto\" and not self._ddp:\n",
+           (PT + "test_lightning_partial_graphs_are_refused_for_transformer_engine_models_and_auto_keeps_whole_steps",),
+           "scope='auto' hands a TransformerEngine model to partial graphs, which run none of TE's hazard checks"),
+    Mutant("modules-scope-takes-te-models", "cpu", "nemo_cudagraph_plugin/lightning/checks.py",
+           "        if te is not None:\n",
+           "        if False:\n",
+           (PT + "test_lightning_partial_graphs_are_refused_for_transformer_engine_models_and_auto_keeps_whole_steps",),
+           "scope='modules' graphs the modules of a TransformerEngine model, whose hazards it does not check"),
 ]
 
 

@@ -92,7 +92,7 @@ def test_right_padded_batches_are_graphed_and_train_as_the_unmodified_eager_mode
 
 def test_hf_attention_as_is_refuses_at_hfs_line_and_says_what_to_change():
     with pytest.raises(CaptureError) as err:
-        fit(llama(), graphed=True, cb_kw={"hf_attention": "as_is"}, padded=True)
+        fit(llama(), graphed=True, cb_kw={"hf_attention": "as_is", "scope": "step"}, padded=True)
     msg = str(err.value)
     assert "Inside: " in msg and "transformers/masking_utils.py:" in msg.replace("\\", "/")
     assert "pads anything" in msg and "hf_attention='graph_safe'" in msg
@@ -176,7 +176,7 @@ def test_position_ids_without_a_mask_are_refused_naming_hfs_packing_question():
                               use_cache=False).loss
 
     pl.seed_everything(0, verbose=False)
-    cb = CudaGraphCallback()
+    cb = CudaGraphCallback(scope="step")
     cb.step_runner.backend = TapeBackend()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[cb], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -221,10 +221,24 @@ def test_batches_that_route_very_differently_replay_one_graph():
 @tf5_only
 def test_hf_experts_as_is_refuses_the_eager_experts_at_hfs_line_and_says_what_to_change():
     with pytest.raises(CaptureError) as err:
-        fit(mixtral(), graphed=True, cb_kw={"hf_experts": "as_is"}, experts="eager")
+        fit(mixtral(), graphed=True, cb_kw={"hf_experts": "as_is", "scope": "step"}, experts="eager")
     msg = str(err.value)
     assert "Inside: " in msg and "modeling_mixtral.py:" in msg.replace("\\", "/")
     assert "depends on the data" in msg and "hf_experts='graph_safe'" in msg and "on_capture_error='eager'" in msg
+
+
+@tf5_only
+def test_scope_auto_trains_eager_experts_with_partial_graphs_around_the_routing_as_eager_does():
+    """``scope="auto"``: the whole step of a Mixtral whose experts read the host (``"eager"`` experts with
+    ``hf_experts="as_is"``) is not one graph; the partial tier graphs the modules that capture, the experts are the
+    islands, each with HF's line, and training equals the eager run."""
+    _, eager, _ = fit(mixtral(), graphed=False, experts="eager")
+    _, graphed, cb = fit(mixtral(), graphed=True, cb_kw={"hf_experts": "as_is", "scope": "auto"}, experts="eager")
+    rep = cb.stats.partial
+    assert rep is not None and rep.replays > 0 and cb.stats.replays == 0, cb.stats.summary()
+    assert sorted(rep.islands) == ["model.model.layers.0.mlp.experts", "model.model.layers.1.mlp.experts"]
+    assert all("modeling_mixtral.py:" in why.replace("\\", "/") for why in rep.islands.values()), rep.islands
+    assert graphed == eager
 
 
 @tf5_only

@@ -740,7 +740,7 @@ def test_lr_assigned_inside_optimizer_step_is_refused_at_capture_naming_the_line
     with pytest.raises(CaptureError) as info:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fit(steps=8, module_kw={"lr_in_optimizer_step": True})
+            fit(steps=8, module_kw={"lr_in_optimizer_step": True}, cb_kw={"scope": "step"})
     msg = str(info.value)
     assert info.value.rule == "hyperparameter-in-step"
     assert f"{__file__}:{line}" in msg and "`optimizer_step`" in msg and "param_groups[0]['lr']" in msg
@@ -754,7 +754,7 @@ def test_lr_assigned_inside_optimizer_step_trains_as_eager_when_the_refusal_fall
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         g = fit(steps=10, module_kw={"lr_in_optimizer_step": "cycle"},
-                cb_kw={"on_capture_error": "eager", "optimizer_math": math_})
+                cb_kw={"on_capture_error": "eager", "optimizer_math": math_, "scope": "step"})
     e = eager(steps=10, module_kw={"lr_in_optimizer_step": "cycle"})
     assert g.stats.captures == 0 and g.stats.eager_reasons.get("capture error") == 1, g.stats.summary()
     assert sum("assigns optimizer.param_groups" in str(w.message) for w in seen) == 1  # one warning, the reason

@@ -1226,7 +1226,7 @@ def test_lightning_partial_graphs_verify_steps_with_gradient_accumulation():
 def test_lightning_scope_step_still_refuses_the_host_read():
     lt = _lightning()
     with pytest.raises(CaptureError, match="HOST-READ|host synchronisation"):
-        _fit(lt, _GuardedGPT.make(lt), True, {"nan_guard": False})
+        _fit(lt, _GuardedGPT.make(lt), True, {"nan_guard": False, "scope": "step"})
 
 
 @pytest.mark.lightning_adapter
@@ -1524,3 +1524,36 @@ def test_lightning_auto_trains_an_lr_assigned_in_optimizer_step_with_partial_gra
     assert len(said) == 1 and "LR-IN-STEP" not in said[0] and "param_groups[0]['lr']" in said[0], said
     rep = g.stats.partial  # nothing reads the host: the whole module's forward and backward is one graph
     assert rep is not None and rep.graphed == [""] and rep.optimizer_replays >= 5, g.stats.summary()
+
+
+class _TEGuardedGPT:
+    """_GuardedGPT with a TransformerEngine module (a stand-in: its class lives under ``transformer_engine``)."""
+
+    @staticmethod
+    def make(lt):
+        te_linear = type("Linear", (nn.Linear,), {"__module__": "transformer_engine.pytorch.module.linear"})
+
+        class TEGuardedGPT(_GuardedGPT.make(lt)):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.te = te_linear(lt.CFG.vocab_size, lt.CFG.vocab_size)
+
+            def forward(self, ids):
+                return self.te(super().forward(ids))
+
+        return TEGuardedGPT
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_are_refused_for_transformer_engine_models_and_auto_keeps_whole_steps():
+    """TE's hazard checks (``is_first_microbatch``, delayed scaling) run on whole-step captures only: a model with TE
+    modules gets no partial graphs. ``scope="modules"`` is refused naming the module; ``"auto"`` is ``"step"``, so a host
+    read is refused at its line, as with ``"step"``."""
+    lt = _lightning()
+    cls = _TEGuardedGPT.make(lt)
+    with pytest.raises(CaptureError, match=r"CudaGraphCallback\(scope='modules'\) is not supported with "
+                                           r"TransformerEngine modules \(te: Linear\).*scope='step'"):
+        _fit(lt, cls, True, {"scope": "modules", "nan_guard": False})
+    with pytest.raises(CaptureError, match="HOST-READ|host synchronisation"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(lt, cls, True, {"nan_guard": False, "scope": "auto"})

@@ -119,8 +119,9 @@ class CaptureConfig:
             (the islands, each with the capture error that made it one), the loss outside modules and the optimizer
             side of the step (zero-grad, clipping, the optimizer step) run eagerly, as you wrote them
             (:mod:`nemo_cudagraph_plugin.core.partial`); ``stats.partial`` reports what was graphed. ``"auto"``: the
-            whole step where it captures, else partial graphs from the step whose capture failed on. Under DDP
-            (``CudaGraphStrategy("ddp")``) ``"modules"`` is refused and ``"auto"`` is ``"step"`` (not proven there).
+            whole step where it captures, else partial graphs from the step whose capture failed on.
+            Under DDP (``CudaGraphStrategy("ddp")``) and for models with TransformerEngine modules ``"modules"`` is
+            refused and ``"auto"`` is ``"step"`` (not proven there: TE's hazard checks cover whole steps).
     """
 
     enabled: bool = True

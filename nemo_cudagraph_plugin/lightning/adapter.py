@@ -161,6 +161,7 @@ class LightningStepAdapter:
                     rank_zero_info(f"{self.owner}(fast_adam=True): the optimizer's own step is captured: "
                                    f"{self.fast_adam.reason}")
             self._own_grads(optimizer, pl_module)
+            self._te = False  # TransformerEngine modules or FP8 weights: their hazard checks cover whole steps only
             self._watch_te(optimizer, pl_module)
         except BaseException:
             self._undo.close()
@@ -174,7 +175,8 @@ class LightningStepAdapter:
         self.partial: Optional[PartialGraphs] = None
         if config.scope == "modules":
             self.start_partial(None)
-        elif config.scope == "auto" and not self._ddp:  # under DDP "auto" is "step" (checks: not proven there)
+        elif config.scope == "auto" and not self._ddp and not self._te:
+            # under DDP and with TransformerEngine "auto" is "step" (checks.setup_refusal: not proven there)
             self.engine.fallback = self.start_partial
 
     def start_partial(self, err: Optional[CaptureError]) -> None:
@@ -262,6 +264,7 @@ class LightningStepAdapter:
         has_fp8 = handle is not None or any(True for _ in iter_fp8_params(pl_module))
         if not (has_fp8 or has_te_modules(pl_module)):
             return
+        self._te = True
         from ..fp8.hazards import (
             FirstMicrobatchCheck,
             check_delayed_scaling_registered,

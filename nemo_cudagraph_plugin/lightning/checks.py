@@ -21,6 +21,7 @@ from ..core import compiled_with_cuda_graphs
 from ..core.config import CaptureConfig
 from ..core.optim import built_capturable, check_optimizer_supported
 from ..fp8 import formats
+from ..fp8._te_compat import is_te_module
 
 __all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "fp8_refusal", "optimizer_refusal", "device_refusal"]
 
@@ -89,6 +90,17 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
             f"{owner}(scope='modules') is not supported with {type(strategy).__name__}: partial graphs are not proven "
             "under DDP yet. Use scope='step' (the whole step, all-reduce included) or a single device",
         )
+    if config.scope == "modules":
+        te = next(((n, m) for n, m in pl_module.named_modules() if is_te_module(m)), None)
+        if te is not None:
+            # The TransformerEngine hazard checks (is_first_microbatch, delayed scaling) and the FP8 refresh's
+            # ordering are proven for whole-step captures; module graphs would bake what those checks refuse.
+            return Refusal(
+                "partial graphs with TransformerEngine",
+                f"{owner}(scope='modules') is not supported with TransformerEngine modules ({te[0] or 'the module'}: "
+                f"{type(te[1]).__name__}): partial graphs do not run TransformerEngine's hazard checks on the modules "
+                "they graph. Use scope='step' (or 'auto', which keeps whole steps for such models)",
+            )
     if not pl_module.automatic_optimization:
         return Refusal(
             "manual optimization",

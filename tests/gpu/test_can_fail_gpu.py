@@ -185,7 +185,7 @@ def test_lr_schedule_reaches_the_replayed_optimizer_and_matches_torch_adamw(how)
 
 def test_sync_check_of_the_last_warmup_step_runs_on_cuda():
     with pytest.raises(CaptureError) as info:
-        _run(True, 8, host_sync=True)
+        _run(True, 8, cb_kw={"scope": "step"}, host_sync=True)
     err = info.value
     assert err.rule == "host-sync", str(err)
     assert "host-sync check of the last warm-up step" in str(err), str(err)  # not the capture's own failure

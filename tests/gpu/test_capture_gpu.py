@@ -574,7 +574,7 @@ def test_capture_error_names_user_line(kind, rule, tag):
     m = _Bad(get_config("tiny", n_layer=1, seq_len=256))
     m.kind = kind
     with pytest.raises(CaptureError) as ei:
-        fit(m, [CudaGraphCallback()], 10)
+        fit(m, [CudaGraphCallback(scope="step")], 10)
     err = ei.value
     print(f"\nCAPTURE ERROR [{kind}]: {str(err).splitlines()[0]}")
     assert err.rule == rule, str(err)
@@ -586,7 +586,7 @@ def test_on_capture_error_eager_trains_with_one_warning():
     from recipes.gpt import get_config
 
     m = _Bad(get_config("tiny", n_layer=1, seq_len=256))
-    cb = CudaGraphCallback(on_capture_error="eager")
+    cb = CudaGraphCallback(on_capture_error="eager", scope="step")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _, rec = fit(m, [cb], 12)

@@ -70,7 +70,7 @@ def test_hyperparameter_assigned_inside_the_step_is_refused_at_its_line():
     pl.seed_everything(0, verbose=False)
     m = _WarmupInOptimizerStep(get_config("tiny", n_layer=2, seq_len=256))
     with pytest.raises(CaptureError) as ei:
-        fit(m, [CudaGraphCallback()], 20)
+        fit(m, [CudaGraphCallback(scope="step")], 20)
     err = ei.value
     print(f"\nCASE2a: {str(err)[:300]}")
     assert err.rule == "hyperparameter-in-step", str(err)
@@ -83,7 +83,7 @@ def test_hyperparameter_assigned_inside_the_step_trains_eagerly_when_allowed():
         pl.seed_everything(0, verbose=False)
         return fit(_WarmupInOptimizerStep(get_config("tiny", n_layer=2, seq_len=256)), cbs, 30)
 
-    cb = CudaGraphCallback(on_capture_error="eager")
+    cb = CudaGraphCallback(on_capture_error="eager", scope="step")
     with pytest.warns(UserWarning, match="CUDA graphs disabled"):
         tg, g = run([cb])
     te, e = run([CapturableEager()])
@@ -299,7 +299,7 @@ def test_capture_error_in_library_code_names_its_line():
     data = [(torch.randint(0, 100, (16,), generator=g), torch.randint(0, 100, (16,), generator=g)) for _ in range(40)]
     pl.seed_everything(0, verbose=False)
     with pytest.raises(CaptureError) as ei:
-        fit(Demo(vocab_size=100), [CudaGraphCallback()], 10, train_loader=DataLoader(data, batch_size=4))
+        fit(Demo(vocab_size=100), [CudaGraphCallback(scope="step")], 10, train_loader=DataLoader(data, batch_size=4))
     err = ei.value
     src = open(demo.__file__).read().splitlines()
     line = next(i + 1 for i, s in enumerate(src) if s.strip() == "mask = self.generate_square_subsequent_mask(t).to(inputs.device)")

@@ -67,6 +67,7 @@ class Case:
     deterministic: bool = False
     # every other batch draws from 4 token ids (the router sends it to few experts) between uniform ones
     skew: bool = False
+    cb_kw: dict = field(default_factory=dict)  # the graphed run's CudaGraphCallback options
 
 
 def _ckpt(model: Any) -> None:
@@ -106,7 +107,7 @@ if TF5:
         "deepseek-v3-compile": Case(lambda: deepseek_v3(**MOE_SIZE), {"compile_kw": {}}, deterministic=True),
     })
 REFUSED: dict[str, tuple[Case, str]] = {} if TF5 else {
-    "mixtral": (Case(lambda: mixtral(kv_heads=4, **_size())),
+    "mixtral": (Case(lambda: mixtral(kv_heads=4, **_size()), cb_kw={"scope": "step"}),
                 r"hf_models\.py:\d+: .*depends on the data.*\n  Inside: .*modeling_mixtral\.py:\d+.*\n  Fix: .*transformers 5"),
 }
 REFUSED.update({
@@ -173,7 +174,7 @@ def _fit(case: Case, how: str, steps: int = STEPS, callbacks: tuple = (), ckpt_p
         if case.strategy is not None:
             trainer_kw["strategy"] = case.strategy()
         else:
-            graph_cb = CudaGraphCallback()
+            graph_cb = CudaGraphCallback(**case.cb_kw)
             cbs.insert(0, graph_cb)
     else:
         if how == "reference":
