@@ -167,13 +167,10 @@ def test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwi
     eager_losses, eager_params = _fit(LrInStepLM(llama(**SIZE), prepare=graph_safe_attention, fused=fused), [])
     pl.seed_everything(0, verbose=False)
     cb = CudaGraphCallback(scope="auto")
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        losses, params = _fit(LrInStepLM(llama(**SIZE), fused=fused), [cb])
+    losses, params = _fit(LrInStepLM(llama(**SIZE), fused=fused), [cb])
     rep = cb.stats.partial
     print(cb.stats.summary())
-    said = [str(w.message) for w in seen if "scope='auto'" in str(w.message)]
-    assert len(said) == 1 and _line(LrInStepLM.optimizer_step, "LR-IN-STEP") in said[0], said
+    assert cb.stats.eager_reasons.get("partial graphs", 0) > 0 and cb.stats.replays == 0, cb.stats.summary()
     assert rep is not None and rep.graphed == ["model"] and rep.islands == {}
     assert rep.optimizer.startswith("graphed") and rep.optimizer_replays >= STEPS - 8, rep.optimizer
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
