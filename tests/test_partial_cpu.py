@@ -812,7 +812,7 @@ def test_scope_errors_name_the_class_and_argument():
         CaptureConfig(scope=None)
     with pytest.raises(ValueError, match=r"CudaGraphCallback\(nan_action='skip'\) is invalid: scope='modules' graphs"):
         CudaGraphCallback(scope="modules", nan_action="skip")
-    assert CaptureConfig().scope == "step"
+    assert CaptureConfig().scope == "auto"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1556,4 +1556,4 @@ def test_lightning_partial_graphs_are_refused_for_transformer_engine_models_and_
         _fit(lt, cls, True, {"scope": "modules", "nan_guard": False})
     with pytest.raises(CaptureError, match="HOST-READ|host synchronisation"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _fit(lt, cls, True, {"nan_guard": False, "scope": "auto"})
+        _fit(lt, cls, True, {"nan_guard": False})  # the default, "auto"

@@ -119,7 +119,8 @@ class CaptureConfig:
             (the islands, each with the capture error that made it one), the loss outside modules and the optimizer
             side of the step (zero-grad, clipping, the optimizer step) run eagerly, as you wrote them
             (:mod:`nemo_cudagraph_plugin.core.partial`); ``stats.partial`` reports what was graphed. ``"auto"``: the
-            whole step where it captures, else partial graphs from the step whose capture failed on.
+            whole step where it captures, else partial graphs from the step whose capture failed on (the default; one
+            warning names the line that kept the step from one graph).
             Under DDP (``CudaGraphStrategy("ddp")``) and for models with TransformerEngine modules ``"modules"`` is
             refused and ``"auto"`` is ``"step"`` (not proven there: TE's hazard checks cover whole steps).
     """
@@ -143,7 +144,7 @@ class CaptureConfig:
     hf_experts: Literal["graph_safe", "as_is"] = "graph_safe"
     fast_adam: bool = True
     optimizer_math: Literal["eager", "capturable"] = "eager"
-    scope: Literal["step", "modules", "auto"] = "step"
+    scope: Literal["step", "modules", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         _check(self, "CaptureConfig")
