@@ -1703,6 +1703,18 @@ MUTANTS: list[Mutant] = [
            "        if False:\n",
            (PT + "test_lightning_partial_graphs_are_refused_for_transformer_engine_models_and_auto_keeps_whole_steps",),
            "scope='modules' graphs the modules of a TransformerEngine model, whose hazards it does not check"),
+    Mutant("user-update-in-step-sync-skipped-cuda", "gpu", "nemo_cudagraph_plugin/core/user_step.py",
+           "        if self.before_update is not None and not kernel_args.capture_open():\n",
+           "        if False:\n",
+           ("tests/gpu/test_partial_gpu.py::test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwise[fused]",
+            "tests/gpu/test_partial_gpu.py::test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwise[foreach]"),
+           "on CUDA, the user's update run eagerly reads the lr of the step before, not the one optimizer_step set"),
+    Mutant("optimizer-graph-in-step-sync-skipped-cuda", "gpu", POPT,
+           "        self._before_update()\n        deferred, self._deferred = self._deferred, []\n",
+           "        deferred, self._deferred = self._deferred, []\n",
+           ("tests/gpu/test_partial_gpu.py::test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwise[fused]",
+            "tests/gpu/test_partial_gpu.py::test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwise[foreach]"),
+           "on CUDA, the partial tier's optimizer graph replays with the lr of the step before"),
 ]
 
 
