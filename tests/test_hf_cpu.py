@@ -278,10 +278,22 @@ def test_graph_safe_experts_run_their_gemms_in_the_autocast_dtype_and_train_fp32
 @tf4_only
 def test_moe_routing_on_transformers_4_is_refused_naming_the_line_and_the_version_that_graphs_it():
     with pytest.raises(CaptureError) as err:
-        fit(mixtral(), graphed=True)
+        fit(mixtral(), graphed=True, cb_kw={"scope": "step"})
     msg = str(err.value)
     assert "Inside: " in msg and "modeling_mixtral.py:" in msg.replace("\\", "/")
     assert "depends on the data" in msg and "transformers 5" in msg and "on_capture_error='eager'" in msg
+
+
+@tf4_only
+def test_by_default_moe_routing_on_transformers_4_trains_with_partial_graphs_as_eager_does():
+    """The default ``scope="auto"``: transformers 4's Mixtral gathers each expert's tokens on the host; the partial
+    tier graphs the modules around the routing, whose sparse MoE blocks are the islands, at HF's line."""
+    _, eager, _ = fit(mixtral(), graphed=False)
+    _, graphed, cb = fit(mixtral(), graphed=True)
+    rep = cb.stats.partial
+    assert rep is not None and rep.replays > 0 and cb.stats.replays == 0, cb.stats.summary()
+    assert rep.islands and all("modeling_mixtral.py:" in why.replace("\\", "/") for why in rep.islands.values())
+    assert graphed == eager
 
 
 def test_graph_safe_attention_switches_sdpa_models_once_and_leaves_others():
