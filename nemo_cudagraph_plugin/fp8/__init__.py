@@ -11,8 +11,8 @@ the backward GEMMs on Hopper) is stale. Eager TE rebuilds it; a CUDA graph does 
 * :func:`after_param_sync` - the hook point for optimizers that write FP8 bytes after their
   parameter all-gather (Megatron-style distributed optimizers, NeMo's distributed Adam).
 * :func:`verify_fp8_transposes` - debug check, byte for byte.
-* :func:`has_te_modules`, :func:`fp8_scaling_state` - TE modules in a model, and the scaling state TE's own
-  kernels update (snapshotted around ``verify_steps``).
+* :func:`is_te_module`, :func:`has_te_modules`, :func:`fp8_scaling_state` - a TE module, TE modules in a model,
+  and the scaling state TE's own kernels update (snapshotted around ``verify_steps``).
 * :mod:`.hazards` - RNG tracker, ``is_first_microbatch`` and delayed-scaling checks for capture.
 * :class:`MasterWeightAdamW` - AdamW on FP32 master weights that writes the FP8 weights from them in place after
   each update: what FP8 primary weights need to train right, and capturable whole.
@@ -27,6 +27,7 @@ from ._te_compat import (
     check_te_version,
     fp8_scaling_state,
     has_te_modules,
+    is_te_module,
     te_installed,
     te_version,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "fp8_scaling_state",
     "graph_safe_rng_generators",
     "has_te_modules",
+    "is_te_module",
     "install_fp8_refresh",
     "iter_fp8_params",
     "named_fp8_params",

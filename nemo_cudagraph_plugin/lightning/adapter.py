@@ -161,8 +161,8 @@ class LightningStepAdapter:
                     rank_zero_info(f"{self.owner}(fast_adam=True): the optimizer's own step is captured: "
                                    f"{self.fast_adam.reason}")
             self._own_grads(optimizer, pl_module)
-            self._te = False  # TransformerEngine modules or FP8 weights: their hazard checks cover whole steps only
-            self._watch_te(optimizer, pl_module)
+            # TransformerEngine modules or FP8 weights: their hazard checks cover whole steps only
+            self._te = self._watch_te(optimizer, pl_module)
         except BaseException:
             self._undo.close()
             raise
@@ -245,15 +245,16 @@ class LightningStepAdapter:
         undo.callback(optimizer.register_load_state_dict_post_hook(lambda *_: self._mark_dirty(reprep=True)).remove)
         undo.callback(pl_module.register_load_state_dict_post_hook(lambda *_: self._mark_dirty()).remove)
 
-    def _watch_te(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> None:
+    def _watch_te(self, optimizer: torch.optim.Optimizer, pl_module: Any) -> bool:
         """TransformerEngine care: the FP8 transpose refresh for FP8 primary weights, and the graph
-        hazards (RNG tracker, ``is_first_microbatch``, delayed scaling) for every model with TE modules."""
+        hazards (RNG tracker, ``is_first_microbatch``, delayed scaling) for every model with TE modules.
+        Returns whether the model has TE modules or FP8 weights."""
         try:
             from ..fp8 import fp8_scaling_state, has_te_modules, install_fp8_refresh, iter_fp8_params
         except ImportError:  # the FP8 module itself failed to import: only fatal if FP8 was required
             if self.config.fp8_refresh is True:
                 raise
-            return
+            return False
         try:
             handle = install_fp8_refresh(optimizer, pl_module, mode=self.config.fp8_refresh,
                                          owner=f"{self.owner}(fp8_refresh=True)")
@@ -263,8 +264,7 @@ class LightningStepAdapter:
             self._undo.callback(handle.remove)
         has_fp8 = handle is not None or any(True for _ in iter_fp8_params(pl_module))
         if not (has_fp8 or has_te_modules(pl_module)):
-            return
-        self._te = True
+            return False
         from ..fp8.hazards import (
             FirstMicrobatchCheck,
             check_delayed_scaling_registered,
@@ -276,6 +276,7 @@ class LightningStepAdapter:
         self._checks.append(lambda: check_delayed_scaling_registered(pl_module))
         # TE updates its FP8 scaling state in its own kernels: verify_steps must snapshot it explicitly.
         self._mutable.append(lambda: fp8_scaling_state(pl_module))
+        return True
 
     def close(self) -> None:
         """Undo everything this adapter changed, latest first, and free the graphs (idempotent)."""

@@ -20,7 +20,7 @@ import torch
 from ..core import compiled_with_cuda_graphs
 from ..core.config import CaptureConfig
 from ..core.optim import built_capturable, check_optimizer_supported
-from ..fp8 import formats, has_te_modules
+from ..fp8 import formats, is_te_module
 
 __all__ = ["Refusal", "REFUSED_STRATEGIES", "setup_refusal", "fp8_refusal", "optimizer_refusal", "device_refusal"]
 
@@ -90,8 +90,7 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
             "under DDP yet. Use scope='step' (the whole step, all-reduce included) or a single device",
         )
     if config.scope == "modules":
-        # named: the last module in the tree that holds one (a leaf that holds one is a TE module)
-        te = next(((n, m) for n, m in reversed(list(pl_module.named_modules())) if has_te_modules(m)), None)
+        te = next(((n, m) for n, m in pl_module.named_modules() if is_te_module(m)), None)
         if te is not None:
             # The TransformerEngine hazard checks (is_first_microbatch, delayed scaling) and the FP8 refresh's
             # ordering are proven for whole-step captures; module graphs would bake what those checks refuse.
