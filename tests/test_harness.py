@@ -366,6 +366,13 @@ def test_the_partial_tier_cases_read_the_host_in_the_step_and_their_variants_ask
     assert seen == [1]
     lm = BenchLM(dry_run(loss), log=False)
     assert lm.training_step(batch).item() == lm.last_loss
+    packed = WORKLOADS["llama156m-packed-2x512"]
+    assert packed.name not in DEFAULT_WORKLOADS
+    lm = BenchLM(dry_run(packed), log=False)
+    positions = []
+    lm.model.model.register_forward_pre_hook(lambda m, a, kw: positions.append(kw["position_ids"]), with_kwargs=True)
+    lm.training_step(batch)
+    assert positions[0].tolist() == [list(range(16)) * 2] * 2  # two documents a row, positions restarting
 
 
 def test_dry_run_trains_every_variant_through_the_parent_and_child_processes(tmp_path):

@@ -161,7 +161,19 @@ class BenchLM(pl.LightningModule):
     def loss(self, batch: dict) -> torch.Tensor:
         if self.workload.kind == "gpt":
             return gpt_loss(self.model(batch["input_ids"]), batch["labels"])
+        if self.workload.host_read == "packed":
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"],
+                              position_ids=self.packed_positions(batch["input_ids"]), use_cache=False).loss
         return self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss  # llama, moe
+
+    def packed_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Two documents per row: positions restart at the middle of each row (made once per shape, on the device)."""
+        pos = getattr(self, "_packed", None)
+        if pos is None or pos.shape != ids.shape or pos.device != ids.device:
+            half = ids.shape[1] // 2
+            pos = torch.cat([torch.arange(half), torch.arange(ids.shape[1] - half)]).to(ids.device).expand_as(ids)
+            self._packed = pos
+        return pos
 
     def training_step(self, batch: dict, batch_idx: Optional[int] = None) -> torch.Tensor:
         # batch_idx optional: NeMo's callback calls training_step(batch)

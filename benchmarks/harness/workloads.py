@@ -39,7 +39,9 @@ class Workload:
     expert_intermediate: int = 0  # moe: each expert's MLP width
     preset: str = ""  # gpt: the recipe's preset
     #: a read of the host inside the step, so it cannot be one graph: "layer" (a user's module around decoder layer 1
-    #: asks the host whether the hidden states are large) or "loss" (the loss is read with ``.item()`` every step)
+    #: asks the host whether the hidden states are large), "loss" (the loss is read with ``.item()`` every step) or
+    #: "packed" (two documents per row, ``position_ids`` restarting at each and no mask: transformers 5 asks the host
+    #: where the documents start while it builds the attention mask)
     host_read: str = ""
     steps: int = 120
     measure_from: int = 50
@@ -98,6 +100,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              steps=120, measure_from=50, host_read="loss", bound="host",
              why="host-bound, and no whole-step graph: `training_step` reads its loss on the host every step "
                  "(the partial tier's case)",
+             est_step_ms=45.0, est_compile_s=45.0, est_build_s=3.0),
+    Workload("llama156m-packed-2x512", "HF Llama 156 M on packed sequences (2 documents a row), batch 2 × 512",
+             "llama", hidden=1024, layers=8, heads=16, kv_heads=4, vocab=32000, intermediate=2816, batch=2, seq=512,
+             steps=120, measure_from=50, host_read="packed", bound="host",
+             why="host-bound, and no whole-step graph: two documents per row with `position_ids` restarting at each "
+                 "(packed sequences, no mask); transformers asks the host where they start (the partial tier's case)",
              est_step_ms=45.0, est_compile_s=45.0, est_build_s=3.0),
     Workload("gpt-tiny", "GPT tiny (recipes/gpt.py: 4 layers, d 256, seq 256, batch 2)", "gpt", hidden=256, layers=4,
              heads=4, kv_heads=4, vocab=256, batch=2, seq=256, preset="tiny", steps=200, measure_from=80,
