@@ -887,12 +887,93 @@ def test_lightning_partial_graphs_equal_eager(scope):
     assert set(groups) == {(True, False)}
     rep = g.stats.partial
     assert rep is not None and rep.graphed == ["model"] and list(rep.islands) == ["guard"]
-    assert rep.replays > 0 and g.cb.eager_reason is None
+    assert rep.replays > 0 and g.cb.eager_reason is None and rep.optimizer_eager_untouched == 0
     # every gradient but the tied embedding/head weight's is added into .grad inside the model's backward graphs
     assert rep.grads_in_graphs == sum(1 for _ in g.module.parameters()) - 1
     assert list(rep.grads_outside) == ["model.emb.tok.weight"]
     assert g.stats.eager_reasons.get("partial graphs", 0) > 0 and g.stats.replays == 0
     assert "partial graphs:" in g.stats.summary()
+
+
+class _Branches:
+    """recipes.gpt's module with two heads on its logits, one or both chosen per batch on the host: a head not
+    chosen gets no gradient in that step (eager ``zero_grad(set_to_none=True)`` leaves it ``None``: the optimizer
+    skips it)."""
+
+    @staticmethod
+    def make(lt, **kw):
+        class Branches(lt.TinyGPT):
+            def __init__(self):
+                super().__init__(**kw)
+                v = lt.CFG.vocab_size
+                self.heads = nn.ModuleList([nn.Linear(v, v), nn.Linear(v, v)])
+
+            def training_step(self, batch, batch_idx):
+                ids = batch["input_ids"]
+                logits = self.model(ids)
+                pick = int(ids[0, 0]) % 3  # a host read: the choice is the island
+                for i, head in enumerate(self.heads):
+                    if pick in (i, 2):  # one head, or both
+                        logits = logits + head(logits)
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+                self.log("train_loss", loss)
+                return loss
+
+        return Branches
+
+
+@pytest.mark.lightning_adapter
+@pytest.mark.parametrize("optimizer,accumulate,clip", [("fused_adamw", 1, None), ("fused_adamw", 2, None),
+                                                       ("fused_adamw", 1, 0.5), ("sgd", 1, None), ("sgd", 2, 0.5)])
+def test_lightning_partial_graphs_leave_a_module_not_called_in_a_step_without_gradient_as_eager_does(optimizer,
+                                                                                                    accumulate, clip):
+    """A head called in some steps only: in a step that does not call it, eager training leaves its parameters
+    without a gradient (``zero_grad(set_to_none=True)``) and the optimizer skips them (no momentum, no weight decay
+    applied). The partial tier zeroes gradients in place; it must not step those parameters with zeros."""
+    lt = _lightning()
+    cls = _Branches.make(lt, sgd=optimizer == "sgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, cls, True, {"scope": "modules", "nan_guard": False}, steps=12, accumulate_grad_batches=accumulate,
+                 gradient_clip_val=clip)
+    e = _fit(lt, cls, False, steps=12, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    chosen = [int(b["input_ids"][0, 0]) % 3 for b in torch.utils.data.DataLoader(lt.Windows(12), batch_size=2)]
+    assert {0, 1, 2} <= set(chosen[4:])  # after the warm-up: either head skipped in some steps, none in others
+    rep = g.stats.partial
+    assert "model" in rep.graphed and any(f"heads.{i}" in rep.graphed for i in (0, 1)) and rep.replays > 0
+    assert rep.optimizer_eager_untouched > 0 and "steps eager: parameters without a gradient" in rep.summary()
+    # the optimizer's graph replays in the steps that call both heads: the gradients set aside for a step are the
+    # parameters' again after it
+    assert rep.optimizer_replays > 0 and rep.optimizer_recaptures == 0
+    lt.assert_same(g, e)
+
+
+@pytest.mark.lightning_adapter
+def test_lightning_partial_graphs_clip_without_the_gradients_a_step_did_not_give(monkeypatch):
+    """The clipping's norm is taken over the gradients eager training has: a head not called in the step has none
+    (its zeros would be more terms in the norm's sum), in the warm-up's eager steps too."""
+    lt = _lightning()
+    cls = _Branches.make(lt)
+    seen = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, *args, **kwargs):
+        params = list(parameters)
+        seen.append(tuple(p.grad is None for p in params))
+        return clip(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = _fit(lt, cls, True, {"scope": "modules", "nan_guard": False, "warmup_steps": 4}, steps=12,
+                 gradient_clip_val=0.5)
+    graphed, seen[:] = list(seen), []
+    e = _fit(lt, cls, False, steps=12, gradient_clip_val=0.5)
+    # a replay of the optimizer's graph clips without calling torch's function: those are steps calling both heads
+    assert len(seen) == 12 and len(graphed) == 12 - g.stats.partial.optimizer_replays
+    assert [s for s in graphed if any(s)] == [s for s in seen if any(s)]
+    assert sum(any(step) for step in graphed[:4]) >= 2  # warm-up steps that leave a head without a gradient
+    lt.assert_same(g, e)
 
 
 @pytest.mark.lightning_adapter
@@ -1369,16 +1450,18 @@ def test_packed_sequences_train_with_partial_graphs_around_hfs_packing_question(
 @pytest.mark.lightning_adapter
 def test_mixtral_on_transformers_4_graphs_everything_but_its_routing():
     """transformers 4.57's Mixtral routes tokens with a host read per expert (no experts interface to switch): each
-    sparse-MoE block is an island at that line, attention, norms, embedding and head are graphs. The losses equal
-    eager's and the fused AdamW's own update is graphed; the parameters differ in their last bits because an expert
-    that gets no token in a step keeps a zero gradient in this tier (eager: none), which AdamW still steps."""
+    sparse-MoE block is an island at that line, attention, norms, embedding, head and the experts are graphs, and the
+    fused AdamW's own update is graphed. The island sits inside the decoder layer's residual stream, so the gradient
+    of the hidden states there is the same numbers summed in another order (as in
+    ``test_an_island_inside_a_residual_block_changes_only_the_order_of_one_gradient_sum``): losses and parameters
+    agree to their last bits, not bit for bit."""
     hf = pytest.importorskip("test_hf_cpu")
     if hf.TF5:
         pytest.skip("transformers 4.x's Mixtral")
     eager_module, eager, _ = hf.fit(hf.mixtral(), graphed=False)
     module, graphed, cb = hf.fit(hf.mixtral(), graphed=True, cb_kw={"scope": "modules"})
-    assert graphed == eager
-    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-8) for a, b in zip(module.parameters(), eager_module.parameters()))
+    assert graphed == pytest.approx(eager, rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(module.parameters(), eager_module.parameters()))
     assert cb.stats.optimizer_math == ""
     rep = cb.stats.partial
     n = len(module.model.model.layers)

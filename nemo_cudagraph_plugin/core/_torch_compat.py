@@ -289,19 +289,22 @@ def autocast_state(device_type: str) -> tuple[bool, Any]:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-def zero_grads_in_place(optimizer: Any) -> bool:
+def zero_grads_in_place(optimizer: Any) -> Optional[list[tuple[Tensor, Tensor]]]:
     """torch's ``Optimizer.zero_grad(set_to_none=False)``: each existing gradient detached from any graph and zeroed,
     with one multi-tensor zero per device and dtype (torch takes that path only for optimizers whose defaults say
-    foreach or fused, else one kernel per gradient; the values are the same zeros). ``False`` where the optimizer's
-    class has a ``zero_grad`` of its own (nothing is done: call it)."""
+    foreach or fused, else one kernel per gradient; the values are the same zeros). Returns ``(parameter, .grad)`` of
+    each gradient zeroed; ``None`` where the optimizer's class has a ``zero_grad`` of its own (nothing is done: call
+    it)."""
     if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
-        return False
+        return None
     dense: dict[tuple[Any, Any], list] = {}
+    zeroed = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
             if g is None:
                 continue
+            zeroed.append((p, g))
             if g.grad_fn is not None:
                 g.detach_()
             else:
@@ -312,7 +315,7 @@ def zero_grads_in_place(optimizer: Any) -> bool:
                 dense.setdefault((g.device, g.dtype), []).append(g)
     for grads in dense.values():
         torch._foreach_zero_(grads)
-    return True
+    return zeroed
 
 
 def grad_accumulator(leaf: Tensor) -> Any:

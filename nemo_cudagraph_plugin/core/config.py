@@ -297,6 +297,9 @@ class PartialStats:
     optimizer_captures: int = 0
     optimizer_replays: int = 0
     optimizer_recaptures: int = 0
+    #: steps whose update ran eagerly because a parameter got no gradient in them (a module not called): eager
+    #: ``zero_grad(set_to_none=True)`` leaves it ``None`` and the optimizer skips it; a graph would step it
+    optimizer_eager_untouched: int = 0
     #: parameters whose gradient a graph adds into ``.grad`` (autograd launches nothing for them), and the parameters
     #: of graphed modules whose gradient autograd accumulates for good: name -> why (tied, a hook on it, a gradient
     #: from outside its module too)
@@ -330,6 +333,8 @@ class PartialStats:
                f"{', ...' if len(self.grads_outside) > 3 else ''})" if self.grads_outside else "")
             + f"; islands: {islands};"
             f" optimizer side {self.optimizer.split(':')[0]}"
+            + (f" ({self.optimizer_eager_untouched} steps eager: parameters without a gradient in them)"
+               if self.optimizer_eager_untouched else "")
         )
 
 

@@ -141,12 +141,62 @@ class GradAccumulation:
         self._probes: list[tuple[Tensor, Any]] = []
         self._pass = -1
         self._watched: list[tuple[str, list[tuple[str, Tensor, Tensor]], list[int]]] = []
+        # The window since the gradients were last zeroed in place for a zero_grad(set_to_none=True): each gradient
+        # at its version right after the zeroing, and what the graphs added since (their adds move no version).
+        self._zeroed: list[tuple[Tensor, Tensor, int]] = []
+        self._window_adds: list[list[tuple[str, Tensor, Tensor]]] = []
+        #: ``(parameter, .grad)`` set to ``None`` for the update of a window that gave them nothing (re-attached by
+        #: :meth:`restore` before the next zeroing)
+        self.dropped: list[tuple[Tensor, Tensor]] = []
+        self._added: dict[tuple[int, ...], tuple[list, frozenset[int]]] = {}
 
     def begin_step(self) -> None:
         """Outside any backward pass, before a step: the module tree's parameters are counted anew when needed, and
         a probe whose pass raised (its hooks were not removed) is removed."""
         self._counts, self._names = None, {}
         self._unprobe()
+
+    # ------------------------------------------------------------------------------------------
+    # parameters a window gives no gradient (eager training leaves them None: the optimizer skips them)
+    # ------------------------------------------------------------------------------------------
+    def begin_window(self, zeroed: list[tuple[Tensor, Tensor]]) -> None:
+        """The gradients ``(parameter, .grad)`` were just zeroed in place for a ``zero_grad(set_to_none=True)``
+        (empty: the zeroing keeps zeros, as ``set_to_none=False`` does): the window that ends at the next update
+        starts."""
+        self._zeroed = [(p, g, g._version) for p, g in zeroed]
+        self._window_adds = []
+
+    def drop_untouched(self) -> bool:
+        """At the end of a window's last backward, before the clipping and the update: every gradient the window
+        zeroed and then gave nothing (no graph added into it, autograd wrote nothing: its version is the zeroing's)
+        is set to ``None``, as ``zero_grad(set_to_none=True)`` leaves it in eager training, so the clipping and the
+        optimizer skip that parameter as they do there. Once per window (later calls return the same answer).
+        Returns whether any gradient is dropped."""
+        zeroed, self._zeroed = self._zeroed, []
+        if zeroed:
+            adds, self._window_adds = self._window_adds, []
+            # the same calls add every step: their parameters' set is made once per sequence of calls (the entry
+            # keeps those lists alive, so their ids in the key are not reused)
+            key = tuple(map(id, adds))
+            entry = self._added.get(key)
+            if entry is None:
+                if len(self._added) >= 8:
+                    self._added.clear()
+                entry = self._added[key] = (adds, frozenset(id(p) for named in adds for _, p, _ in named))
+            added = entry[1]
+            for p, g, v in zeroed:
+                if id(p) not in added and p.grad is g and g._version == v:
+                    p.grad = None
+                    self.dropped.append((p, g))
+        return bool(self.dropped)
+
+    def restore(self) -> None:
+        """Before the next zeroing: the dropped gradients are the parameters' again (at the addresses the graphs add
+        into and the optimizer's graph reads), unless something else was given meanwhile."""
+        dropped, self.dropped = self.dropped, []
+        for p, g in dropped:
+            if p.grad is None:
+                p.grad = g
 
     def full_pass(self) -> bool:
         """Whether the backward pass running now accumulates into every leaf's ``.grad``."""
@@ -219,6 +269,8 @@ class GradAccumulation:
             self._pass, self._watched = pass_id, []
             at_backward_end(self._end_pass)
         self._watched.append((module, named, versions))
+        if self._zeroed:
+            self._window_adds.append(named)
 
     def _end_pass(self) -> None:
         watched, self._watched, self._pass = self._watched, [], -1

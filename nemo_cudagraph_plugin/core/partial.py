@@ -201,7 +201,7 @@ class PartialGraphs:
             optimizer, named_params, tensors, self.backend, self.device, stream=lambda: self._stream,
             pool=self._pool, tally=self.tally, report=self.report,
             active=lambda: self._in_step and self._warmup_left == 0, on_capture=on_capture,
-            before_update=before_update)
+            before_update=before_update, drop_untouched=self.grads.drop_untouched)
         return self.optimizer
 
     def _graphs_live(self) -> bool:

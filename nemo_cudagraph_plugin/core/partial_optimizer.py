@@ -12,6 +12,11 @@ own. :class:`OptimizerGraph` takes over one optimizer instance's ``step`` (an in
   transpose refresh registered as a step post-hook is part of it) run as one graph: eagerly the first time a key is
   seen (the optimizer's state is created then), captured the next time, replayed after.
 
+**A parameter the step gave no gradient** (``drop_untouched``, the tier's :meth:`GradAccumulation.drop_untouched
+<.graphed_module.GradAccumulation.drop_untouched>`: a module not called in it) has its ``.grad`` set to ``None``
+after the closure, as eager ``zero_grad(set_to_none=True)`` leaves it: that step's update runs eagerly (torch's
+optimizers skip such a parameter; the graph was captured with every gradient present) and the graph stays.
+
 **The key** is what the graph bakes in from the deferred calls (their non-tensor arguments: the clipping value and
 algorithm). **Guards**, before every replay: each parameter's gradient is the tensor the graph was captured with (a
 gradient set to ``None`` or replaced is a new capture, with one warning); with :attr:`OptimizerGraph.dirty` set (a
@@ -86,9 +91,11 @@ class OptimizerGraph:
                  tensors: Callable[[], list[tuple[str, Tensor]]], backend: GraphBackend, device: torch.device, *,
                  stream: Callable[[], Any], pool: CapturePool, tally: ReplayTally, report: PartialStats,
                  active: Callable[[], bool], on_capture: Callable[[], None] = lambda: None,
-                 before_update: Callable[[], None] = lambda: None) -> None:
+                 before_update: Callable[[], None] = lambda: None,
+                 drop_untouched: Callable[[], bool] = lambda: False) -> None:
         self.optimizer, self.named_params, self.tensors = optimizer, named_params, tensors
         self._before_update = before_update
+        self._drop_untouched = drop_untouched
         self.backend, self.device = backend, device
         self._stream, self._pool, self._active, self._on_capture = stream, pool, active, on_capture
         self.tally, self.report = tally, report
@@ -114,15 +121,28 @@ class OptimizerGraph:
     def _run_step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         if kwargs or self._eager or not self._active() or self.eager_reason is not None:
             self._deferred_now()
-            return self._inner(closure, **kwargs) if closure is not None else self._inner(**kwargs)
+            if closure is None:
+                self._drop_untouched()
+                return self._inner(**kwargs)
+            return self._inner(functools.partial(_then, closure, self._drop_untouched), **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        dropped = self._drop_untouched()
         self._before_update()
         deferred, self._deferred = self._deferred, []
         key = tuple((fn, tuple(_plain(a) for a in args), tuple(sorted((k, _plain(v)) for k, v in kw.items())))
                     for fn, args, kw in deferred)
+        if dropped:
+            # Parameters without a gradient this step (a module not called): the optimizer skips them, so the
+            # update differs from the graph's; it runs eagerly, the graph stays for the next step.
+            self.events += 1
+            self.report.optimizer_eager_untouched += 1
+            for fn, args, kw in deferred:
+                fn(*args, **kw)
+            self._inner()
+            return loss
         entry = self.graphs.get(key)
         if entry is not None and self._valid(key, entry):
             mark_step_called(self.optimizer)  # the Python side of torch's step, repeated
@@ -274,6 +294,13 @@ class OptimizerGraph:
             else:
                 self.optimizer.step = self._own
         self.graphs.clear()
+
+
+def _then(closure: Callable[[], Any], after: Callable[[], Any]) -> Any:
+    """``closure()``, then ``after()``; the closure's result."""
+    loss = closure()
+    after()
+    return loss
 
 
 def _plain(v: Any) -> Any:

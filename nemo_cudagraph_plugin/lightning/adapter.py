@@ -220,6 +220,8 @@ class LightningStepAdapter:
         """Lightning's gradient clipping (``precision_plugin.clip_gradients``), routed here at bind where partial
         graphs may run: in a graphed step of that tier, with Lightning's own ``configure_gradient_clipping`` (nothing
         of yours runs between the clipping and the update), it becomes the first part of the optimizer's graph."""
+        if self.partial is not None:
+            self.partial.grads.drop_untouched()  # the window's backward is done: clip what eager would clip
         opt = self.partial.optimizer if self.partial is not None else None
         if opt is not None and self._default_clipping and opt.defer(clip, *args, **kwargs):
             return None
@@ -235,8 +237,16 @@ class LightningStepAdapter:
         def zero_grad(set_to_none: bool = True) -> None:
             if set_to_none and self._fresh:
                 orig_zero(set_to_none=True)
-            elif not zero_grads_in_place(optimizer):  # one multi-tensor zero, not a kernel per gradient
+                return
+            grads = self.partial.grads if self.partial is not None else None
+            if grads is not None:
+                grads.restore()  # what the last window left without a gradient is zeroed with the rest
+            zeroed = zero_grads_in_place(optimizer)  # one multi-tensor zero, not a kernel per gradient
+            if zeroed is None:
                 orig_zero(set_to_none=False)
+            elif grads is not None:
+                # partial graphs: a gradient this window gives nothing is None again before the update, as here
+                grads.begin_window(zeroed if set_to_none else [])
 
         undo = self._undo
         optimizer.zero_grad = zero_grad  # this optimizer instance only
