@@ -231,14 +231,16 @@ def test_hf_experts_as_is_refuses_the_eager_experts_at_hfs_line_and_says_what_to
 def test_by_default_eager_experts_train_with_partial_graphs_around_the_routing_as_eager_does():
     """The default ``scope="auto"``: the whole step of a Mixtral whose experts read the host (``"eager"`` experts with
     ``hf_experts="as_is"``) is not one graph; the partial tier graphs the modules that capture, the experts are the
-    islands, each with HF's line, and training equals the eager run."""
+    islands, each with HF's line, and training equals the eager run to the last bits: the islands sit inside the
+    decoder layers' residual stream, where the gradient of the hidden states is the same numbers summed in another
+    order (the graphed modules around an island add their parts first), so no bit-for-bit claim."""
     _, eager, _ = fit(mixtral(), graphed=False, experts="eager")
     _, graphed, cb = fit(mixtral(), graphed=True, cb_kw={"hf_experts": "as_is"}, experts="eager")
     rep = cb.stats.partial
     assert rep is not None and rep.replays > 0 and cb.stats.replays == 0, cb.stats.summary()
     assert sorted(rep.islands) == ["model.model.layers.0.mlp.experts", "model.model.layers.1.mlp.experts"]
     assert all("modeling_mixtral.py:" in why.replace("\\", "/") for why in rep.islands.values()), rep.islands
-    assert graphed == eager
+    assert graphed == pytest.approx(eager, rel=1e-6)
 
 
 @tf5_only
