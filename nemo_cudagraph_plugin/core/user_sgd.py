@@ -55,10 +55,12 @@ from .user_step import SKIP_NONFINITE, UserStep
 
 __all__ = ["UserMathSGD", "add_bf16_cpu", "add_scaled", "fma_f32", "update", "why_not"]
 
-#: BFloat16 elements per ``Vectorized<BFloat16>`` of the x86 CPU capabilities (AVX2 measured, AVX512 from
-#: ``vec512_bfloat16.h``: the same FMA and rounding, twice the lanes); DEFAULT's generic ``Vectorized`` computes
-#: element by element in BFloat16, as the scalar loop does (0: no vectorised lanes)
-BF16_LANES = {"DEFAULT": 0, "AVX2": 16, "AVX512": 32}
+#: Half the BFloat16 elements torch's CPU ``add`` takes per vectorised step, per x86 CPU capability, measured with
+#: torch 2.13 (which elements of an ``n``-element add store the vectorised NaN, 0xFFFF): 32 per step with the AVX2
+#: kernels and with the AVX512 ones too (an AMD EPYC with AVX512-BF16), not the 64 that ``Vectorized<BFloat16>``'s
+#: 32 AVX512 lanes would suggest; DEFAULT's generic ``Vectorized`` computes element by element in BFloat16, as the
+#: scalar loop does (0: no vectorised lanes)
+BF16_LANES = {"DEFAULT": 0, "AVX2": 16, "AVX512": 16}
 #: ``at::internal::GRAIN_SIZE``: TensorIterator splits a range among threads only above it
 GRAIN_SIZE = 32768
 #: the BFloat16 NaN that c10's scalar conversion and the vectorised ``cvtfp32_bf16`` store
