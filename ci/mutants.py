@@ -1509,6 +1509,12 @@ MUTANTS: list[Mutant] = [
            "                pass  # what the last window",
            (PT + "test_lightning_partial_graphs_leave_a_module_not_called_in_a_step_without_gradient_as_eager_does",),
            "the gradients set aside for one step are not given back: new tensors, the graphs captured again"),
+    Mutant("partial-second-call-replays", "cpu", PARTIAL,
+           "            if entry.last_step == self._step_no and entry.needs_grad and torch.is_grad_enabled():",
+           "            if False:",
+           (PT + "test_a_second_call_with_the_same_signature_in_a_step_runs_eagerly",),
+           "a module called twice in a step with one signature replays its graph twice: the first call's backward "
+           "reads the second call's activations"),
     Mutant("partial-failed-capture-keeps-its-draws", "cpu", PARTIAL,
            "            be.set_rng_state(rng[0], self.device)\n",
            "",

@@ -707,6 +707,37 @@ def test_a_module_called_twice_in_a_step_hands_its_gradients_to_autograd():
     assert_bitwise(g, e)
 
 
+class Reuse(nn.Module):
+    """Its own code reads the host; ``b`` is called once per step, and from batches of 7 rows on a second time with
+    the same signature (a layer reused a data-dependent number of times)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.b = Block(dropout=0.0)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        if x.abs().max() > 100:  # REUSE-READ
+            x = x.clamp(-100, 100)
+        h = self.b(self.inp(x))
+        if x.shape[0] > 5:
+            h = self.b(h)
+        return self.out(h)
+
+
+def test_a_second_call_with_the_same_signature_in_a_step_runs_eagerly():
+    """One graph per signature: a replay for the second call would overwrite the activations the first call's
+    backward reads (its graph's static memory). The second call runs eagerly; training equals eager."""
+    g, e = both(Reuse, batches(8, rows=(5, 5, 5, 7, 5, 7, 7, 5)))
+    rep = g[3].report
+    assert "b" in rep.graphed and rep.replays > 0
+    # the first 7-row step runs the new signature eagerly, then captures it at the second call; the two after
+    # replay the first call and run the second eagerly
+    assert rep.eager_calls.get("called again in the step", 0) == 2
+    assert_bitwise(g, e)
+
+
 class _ClipGrad(torch.autograd.Function):
     """Identity forward; a backward that asks the host whether to clip."""
 

@@ -343,6 +343,8 @@ class GraphedCall:
         self._setups = _SETUPS
         self._ran = 0  # replays of the accumulation graph since it was built
         self._kept: list[Any] = []
+        #: the owner's step in which this call last replayed (one replay with gradients per step: the owner's guard)
+        self.last_step = -1
 
     @property
     def needs_grad(self) -> bool:

@@ -148,6 +148,7 @@ class PartialGraphs:
         self._pool = CapturePool(self.backend, self._graphs_live)
         self._stream: Any = None
         self._events = 0  # captures, failures and eager calls of graphed modules this step
+        self._step_no = 0  # steps of the tier begun (a graph replayed with gradients once per step)
         self._counter: Optional[_OpCounter] = None  # this step's operator counter (None: not counted)
         self._opt_events = 0  # the optimizer graph's events when this step began
         self._replays_at = 0  # the tier's replays (modules' and optimizer's) when this step began
@@ -235,6 +236,7 @@ class PartialGraphs:
             self._guards()
         for node in self.nodes:
             node.calls = 0
+        self._step_no += 1
         self._events = 0
         self.grads.begin_step()
         measure = "step" if self._warmup_left == 1 else ("outside" if self._measure == "outside" else None)
@@ -408,6 +410,12 @@ class PartialGraphs:
             return node.forward(*args, **kwargs)
         entry = node.cache.get(key)
         if entry is not None:
+            if entry.last_step == self._step_no and entry.needs_grad and torch.is_grad_enabled():
+                # The same graph again in one step: its replay would overwrite the activations the first call's
+                # backward reads (the graph's static memory). This call runs eagerly; the first keeps them.
+                self._eager_call("called again in the step")
+                return node.forward(*args, **kwargs)
+            entry.last_step = self._step_no
             self.report.replays += 1
             return entry(leaves)
         if key not in node.seen:
@@ -461,6 +469,7 @@ class PartialGraphs:
         entry.alone = lambda: node.calls == 1  # a second call of the module in the step is a second contribution
         entry.on_capture = self._changed
         node.cache.put(key, entry)
+        entry.last_step = self._step_no
         if node.status is not _GRAPHED:
             node.status = _GRAPHED
         self.report.captures += 1
