@@ -16,7 +16,9 @@ Two cases, each bitwise equal to its eager reference in one process, with the co
 * a ``torch.compile``d model with the ``.item()`` loss, ``scope="auto"``: the compiled call is one graphed module
   (Inductor's kernels inside the graphs); the reference is the same compiled model trained eagerly;
 * two heads chosen on the host per batch (one, the other, or both): a head not called in a step gets no gradient
-  and no update, as in the user's own eager run (``zero_grad(set_to_none=True)``), with the graphs replaying.
+  and no update, as in the user's own eager run (``zero_grad(set_to_none=True)``), with the graphs replaying;
+* a head applied once or, chosen on the host, twice in a step with the same input signature: the second call runs
+  eagerly (a second replay would overwrite the activations the first call's backward reads).
 """
 
 from __future__ import annotations
@@ -230,5 +232,38 @@ def test_a_head_not_called_in_a_step_gets_no_update_as_in_the_users_eager_run():
     print(cb.stats.summary())
     assert rep is not None and "model" in rep.graphed and rep.replays > 0, rep
     assert rep.optimizer_eager_untouched > 0 and rep.optimizer_recaptures == 0, rep
+    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+class ReusedHeadLM(HFCausalLM):
+    """One head on the logits, applied a second time when the host says so (a layer reused a data-dependent number of
+    times)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        v = self.model.config.vocab_size
+        self.head = nn.Linear(v, v)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        logits = self.head(self.model(input_ids=ids, use_cache=False).logits)
+        if int(ids[0, 0]) % 2:  # HEAD-AGAIN
+            logits = self.head(logits)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten())
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_module_called_twice_in_a_step_runs_its_second_call_eagerly_bitwise():
+    pl.seed_everything(0, verbose=False)
+    eager_losses, eager_params = _fit(ReusedHeadLM(llama(**SIZE), prepare=graph_safe_attention), [])
+    pl.seed_everything(0, verbose=False)
+    cb = CudaGraphCallback(scope="auto")
+    losses, params = _fit(ReusedHeadLM(llama(**SIZE)), [cb])
+    rep = cb.stats.partial
+    print(cb.stats.summary())
+    assert rep is not None and "head" in rep.graphed and rep.replays > 0, rep
+    assert rep.eager_calls.get("called again in the step", 0) > 0, rep.eager_calls
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
