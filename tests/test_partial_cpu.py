@@ -1394,29 +1394,6 @@ def test_hf_llama_with_a_host_reading_module_graphs_everything_else():
 
 
 @pytest.mark.lightning_adapter
-@pytest.mark.parametrize("host_read", [False, True])
-def test_a_compiled_model_is_one_graphed_module_and_its_host_read_makes_it_an_island(host_read):
-    """``torch.compile(model)``: the compiled call is one module of the tier (what it compiles runs inside the graph,
-    its submodules are not visited); a host read in the compiled code makes it an island at the user's line. The
-    compiled call is given back after fit."""
-    hf = pytest.importorskip("test_hf_cpu")
-    kw = {"compile_kw": {"backend": "eager"}, "prepare": guard_layer if host_read else None}
-    eager_module, eager, _ = hf.fit(hf.llama(), graphed=False, **kw)
-    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"}, **kw)
-    assert graphed == eager
-    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), eager_module.parameters()))
-    rep = cb.stats.partial
-    if host_read:
-        assert rep.graphed == [] and list(rep.islands) == ["model"]
-        assert rep.islands["model"].startswith(_line(HostCheck.forward, "LLAMA-READ") + ": a host synchronisation")
-    else:
-        assert rep.graphed == ["model"] and rep.islands == {} and rep.replays > 0
-        assert rep.grads_in_graphs == sum(1 for _ in module.parameters())
-    forward = module.model.__dict__["forward"]  # torch.compile's own, not the tier's wrapper
-    assert "PartialGraphs" not in forward.__qualname__ and not hasattr(forward, "__self__")
-
-
-@pytest.mark.lightning_adapter
 def test_an_island_inside_a_residual_block_changes_only_the_order_of_one_gradient_sum():
     """The MLP's check splits layer 1: the residual stream's gradient there is a sum of the skip connection's part
     and the graphed norm's two parts, which the norm's backward graph adds first. The same numbers added in another

@@ -167,17 +167,11 @@ class PartialGraphs:
             node = _Node(name, module, parent, self.config.max_graphs)
             if parent is not None:
                 parent.children.append(node)
-            compiled = hasattr(module, "_orig_mod")
-            if compiled and callable(module.__dict__.get("forward")):
-                # torch.compile's wrapper keeps the compiled call as its instance's ``forward``: the call is graphed
-                # as one module (Inductor's kernels inside our graphs), and given back by close()
-                node.forward = module.__dict__["forward"]
-                module.forward = self._wrapper(node)
-            elif type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
+            if type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
                 node.forward = module.forward
                 module.forward = self._wrapper(node)  # an instance attribute: nn.Module.__call__ calls it
             self.nodes.append(node)
-            if compiled:  # what torch.compile compiles stays one opaque call: its submodules run inside it
+            if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: what it compiles stays one opaque call
                 return
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child, node)
@@ -214,10 +208,7 @@ class PartialGraphs:
             self.optimizer.close()
         for node in self.nodes:
             if node.forward is not None and node.module.__dict__.get("forward") is not None:
-                if hasattr(node.module, "_orig_mod"):
-                    node.module.__dict__["forward"] = node.forward  # torch.compile's own instance forward
-                else:
-                    del node.module.__dict__["forward"]
+                del node.module.__dict__["forward"]
             node.forward = None
             node.cache.clear()
         self.nodes = []
