@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -201,18 +202,24 @@ class TwoHeadsLM(HFCausalLM):
         return loss
 
 
-def test_a_head_not_called_in_a_step_gets_no_update_as_in_the_users_eager_run():
+def _auto_against_the_users_run(cls: type) -> Any:
+    """``cls`` trained by the user eagerly (with the attention the callback switches to) and with
+    ``CudaGraphCallback(scope="auto")``: losses and every parameter bitwise equal; the partial tier's report."""
     pl.seed_everything(0, verbose=False)
-    eager_losses, eager_params = _fit(TwoHeadsLM(llama(**SIZE), prepare=graph_safe_attention), [])
+    eager_losses, eager_params = _fit(cls(llama(**SIZE), prepare=graph_safe_attention), [])
     pl.seed_everything(0, verbose=False)
     cb = CudaGraphCallback(scope="auto")
-    losses, params = _fit(TwoHeadsLM(llama(**SIZE)), [cb])
-    rep = cb.stats.partial
+    losses, params = _fit(cls(llama(**SIZE)), [cb])
     print(cb.stats.summary())
-    assert rep is not None and "model" in rep.graphed and rep.replays > 0, rep
-    assert rep.optimizer_eager_untouched > 0 and rep.optimizer_recaptures == 0, rep
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    return cb.stats.partial
+
+
+def test_a_head_not_called_in_a_step_gets_no_update_as_in_the_users_eager_run():
+    rep = _auto_against_the_users_run(TwoHeadsLM)
+    assert rep is not None and "model" in rep.graphed and rep.replays > 0, rep
+    assert rep.optimizer_eager_untouched > 0 and rep.optimizer_recaptures == 0, rep
 
 
 class ReusedHeadLM(HFCausalLM):
@@ -235,14 +242,6 @@ class ReusedHeadLM(HFCausalLM):
 
 
 def test_a_module_called_twice_in_a_step_runs_its_second_call_eagerly_bitwise():
-    pl.seed_everything(0, verbose=False)
-    eager_losses, eager_params = _fit(ReusedHeadLM(llama(**SIZE), prepare=graph_safe_attention), [])
-    pl.seed_everything(0, verbose=False)
-    cb = CudaGraphCallback(scope="auto")
-    losses, params = _fit(ReusedHeadLM(llama(**SIZE)), [cb])
-    rep = cb.stats.partial
-    print(cb.stats.summary())
+    rep = _auto_against_the_users_run(ReusedHeadLM)
     assert rep is not None and "head" in rep.graphed and rep.replays > 0, rep
     assert rep.eager_calls.get("called again in the step", 0) > 0, rep.eager_calls
-    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
-    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
