@@ -46,13 +46,14 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from nemo_cudagraph_plugin.core import kernel_args
+from nemo_cudagraph_plugin.core._torch_compat import ObservingMode
 from nemo_cudagraph_plugin.core.backend import GraphBackend
 from nemo_cudagraph_plugin.core.rng import GeneratorRegistry
 
-__all__ = ["TapeBackend", "TapeGraph", "CpuGeneratorRegistry"]
+__all__ = ["TapeBackend", "TapeGraph", "CpuGeneratorRegistry", "CompiledCalls"]
 
 aten = torch.ops.aten
 _HERE = os.path.abspath(__file__)
@@ -151,8 +152,9 @@ _SYNC_MSG = "called a synchronizing CUDA operation (TapeBackend sync check)"
 _CAPTURE_MSG = "CUDA error: operation not permitted when stream is capturing (TapeBackend)"
 
 
-class _SyncErrors(TorchDispatchMode):
-    """``torch.cuda.set_sync_debug_mode("error")`` for the tape device."""
+class _SyncErrors(ObservingMode):
+    """``torch.cuda.set_sync_debug_mode("error")`` for the tape device (torch.compile'd code runs compiled under it,
+    as under CUDA's check)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -341,7 +343,7 @@ class TapeIO:
                     dst.copy_(out)
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(ObservingMode):  # compiled code runs compiled under it, as under CUDA's capture
     def __init__(self, graph: TapeGraph, sync_in_capture: str) -> None:
         super().__init__()
         self.graph = graph
@@ -408,6 +410,22 @@ class _Stream:
 
     def wait_stream(self, other: Any) -> None:
         pass
+
+
+class CompiledCalls:
+    """A ``torch.compile`` backend standing in for Inductor on the CPU: its compiled code runs the traced graph's
+    operators one by one (the tape sees them, as CUDA capture sees Inductor's kernels) and counts its runs. A call
+    that dynamo runs uncompiled instead (a frame it skips) is not counted."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        def compiled(*args: Any) -> Any:
+            self.runs += 1
+            return gm(*args)
+
+        return compiled
 
 
 class TapeBackend(GraphBackend):

@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from _tape import TapeBackend
+from _tape import CompiledCalls, TapeBackend
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1391,6 +1391,79 @@ def test_hf_llama_with_a_host_reading_module_graphs_everything_else():
         "its own code (not its submodules): " + _line(HostCheck.forward, "LLAMA-READ") + ": a host synchronisation")
     assert rep.replays > 0 and rep.modules_graphed == rep.modules_called - 3  # the CausalLM, its model, the check
     assert rep.grads_in_graphs == sum(1 for _ in module.parameters()) and not rep.grads_outside  # no tied weight
+
+
+def _guard_graph_safe(model):  # the eager reference: the attention the callback switches to (its code compiles too)
+    guard_layer(model)
+    pytest.importorskip("test_hf_cpu").graph_safe_attention(model)
+
+
+def _fresh_dynamo() -> int:
+    """Dynamo's caches and counters emptied; returns how many graphs it had compiled."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return graphs
+
+
+def _compiled_runs(module, backend) -> int:
+    """How many times one more call of the user's compiled model ran its compiled code (0: dynamo runs it eagerly)."""
+    before = backend.runs
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        module.model(input_ids=ids, use_cache=False)
+    return backend.runs - before
+
+
+@pytest.mark.lightning_adapter
+@pytest.mark.parametrize("host_read", [False, True])
+def test_a_compiled_model_is_one_graphed_module_and_its_host_read_makes_it_an_island(host_read):
+    """``torch.compile(model)``: the compiled call is one module of the tier (its compiled code runs inside the graph,
+    its submodules are not visited); a host read in the compiled code makes it an island at the user's line. The
+    compiled code runs in every step the tier counts (the operator counter does not make dynamo fall back to eager)
+    and after fit, and the compiled call is given back."""
+    hf = pytest.importorskip("test_hf_cpu")
+    eager_backend, backend = CompiledCalls(), CompiledCalls()
+    _fresh_dynamo()  # a frame dynamo skipped earlier in this process would stay uncompiled
+    eager_module, eager, _ = hf.fit(hf.llama(), graphed=False, compile_kw={"backend": eager_backend},
+                                    prepare=_guard_graph_safe if host_read else hf.graph_safe_attention)
+    eager_graphs = _fresh_dynamo()  # the second model's own compiles (dynamo's recompile limit counts per code object)
+    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"},
+                                 compile_kw={"backend": backend}, prepare=guard_layer if host_read else None)
+    assert graphed == eager
+    # the warm-up calls compiled for the state the captures run in: nothing was compiled inside a capture
+    assert _fresh_dynamo() == eager_graphs
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), eager_module.parameters()))
+    rep = cb.stats.partial
+    if host_read:
+        assert rep.graphed == [] and list(rep.islands) == ["model"]
+        assert rep.islands["model"].startswith(_line(HostCheck.forward, "LLAMA-READ") + ": a host synchronisation")
+        # every step's call ran compiled, as in the user's run (and the failed captures' calls too)
+        assert backend.runs >= eager_backend.runs > 0, (backend.runs, eager_backend.runs)
+    else:
+        assert rep.graphed == ["model"] and rep.islands == {} and rep.replays > 0
+        assert rep.grads_in_graphs == sum(1 for _ in module.parameters())
+        # the warm-up steps (the counted one among them) and the capture ran the compiled code; replays are the tape's
+        assert backend.runs == 3 + 1, backend.runs
+    assert _compiled_runs(module, backend) >= 1
+    _fresh_dynamo()
+    forward = module.model.__dict__["forward"]  # torch.compile's own, not the tier's wrapper
+    assert "PartialGraphs" not in forward.__qualname__ and not hasattr(forward, "__self__")
+
+
+@pytest.mark.lightning_adapter
+def test_a_compiled_model_stays_compiled_through_the_verified_steps():
+    """``verify_steps`` runs each verified step once more eagerly under a recorder of its writes: the user's compiled
+    model runs its compiled code there too (the step it checks against the graph), and after fit."""
+    hf = pytest.importorskip("test_hf_cpu")
+    _fresh_dynamo()
+    backend = CompiledCalls()
+    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"verify_steps": 2}, compile_kw={"backend": backend})
+    assert cb.stats.replays > 0 and cb.stats.verified_steps == 2, cb.stats.summary()
+    # 3 warm-up steps, the capture, and the two verified steps' eager runs
+    assert backend.runs == 3 + 1 + 2, backend.runs
+    assert _compiled_runs(module, backend) == 1
+    _fresh_dynamo()
 
 
 @pytest.mark.lightning_adapter

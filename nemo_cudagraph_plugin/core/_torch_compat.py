@@ -27,7 +27,7 @@ __all__ = [
     "set_found_inf",
     "clear_found_inf",
     "compiled_with_cuda_graphs",
-    "TorchDispatchMode",
+    "ObservingMode",
     "FOREACH_NORM",
     "dispatch_disabled",
     "written_arguments",
@@ -124,6 +124,22 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
 # norm tap see every operator a step runs, with its schema.
 #: the multi-tensor norm operator (``torch._foreach_norm``), as a dispatch mode sees it
 FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
+
+
+class ObservingMode(TorchDispatchMode):
+    """The base of the package's dispatch modes: they watch the operators a step dispatches, and ``torch.compile``d
+    code keeps running compiled under them (its fused kernels are not dispatched, so these modes do not see them;
+    the extern calls it makes, matrix products among them, they do).
+
+    Dynamo runs a compiled function eagerly under a dispatch mode that does not declare this, and marks the code it
+    skipped to run eagerly from then on (torch 2.11 and 2.13, ``convert_frame``: "non-infra torch dispatch mode
+    present"): one counted or verified step would leave the user's compiled model uncompiled for the rest of the
+    process, slower and with eager's rounding. Torch versions without the hook ignore it.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
 
 def dispatch_disabled() -> Any:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
-from ._torch_compat import FOREACH_NORM, TorchDispatchMode
+from ._torch_compat import FOREACH_NORM, ObservingMode
 from .errors import NonFiniteError
 from .finite import FiniteCheck, arm, capturing, table_length
 
@@ -468,7 +468,7 @@ class NanPolicy:
 _VECTOR_NORM = torch.ops.aten.linalg_vector_norm.default
 
 
-class _NormTap(TorchDispatchMode):
+class _NormTap(ObservingMode):
     """Collects the norm of each checked gradient computed inside the block (``torch._foreach_norm`` on CUDA,
     ``torch.linalg.vector_norm`` per tensor elsewhere) and, on a clean exit, marks the non-finite ones.
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
-from ._torch_compat import TorchDispatchMode, dispatch_disabled, returns_alias, written_arguments
+from ._torch_compat import ObservingMode, dispatch_disabled, returns_alias, written_arguments
 from .buffers import flatten
 from .errors import ParityError
 
@@ -157,7 +157,7 @@ class StepParity:
             )
 
 
-class WriteRecorder(TorchDispatchMode):
+class WriteRecorder(ObservingMode):
     """Snapshots every tensor that existed before the block, right before its first in-place write.
 
     Writes are found from the operator schemas (``Tensor(a!)`` arguments, lists included: fused

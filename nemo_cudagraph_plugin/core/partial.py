@@ -56,7 +56,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._torch_compat import TorchDispatchMode, autocast_state
+from ._torch_compat import ObservingMode, autocast_cache_disabled, autocast_state
 from .addresses import difference
 from .backend import CapturePool, GraphBackend, default_backend
 from .buffers import flatten, signature_of
@@ -81,7 +81,7 @@ _SPLIT = "split"  # its capture failed: it runs eagerly, its children are candid
 
 class _Node:
     __slots__ = ("name", "module", "forward", "parent", "children", "calls", "per_step", "status", "reason",
-                 "location", "cache", "seen", "host_s")
+                 "location", "cache", "seen", "host_s", "compiled")
 
     def __init__(self, name: str, module: nn.Module, parent: Optional[_Node], max_graphs: int) -> None:
         self.name, self.module, self.parent = name, module, parent
@@ -95,9 +95,10 @@ class _Node:
         self.cache: GraphCache[GraphedCall] = GraphCache(max_graphs)
         self.seen: set[Hashable] = set()
         self.host_s = 0.0  # its own code's host time in the step whose islands are timed
+        self.compiled = hasattr(module, "_orig_mod")  # torch.compile's wrapper
 
 
-class _OpCounter(TorchDispatchMode):
+class _OpCounter(ObservingMode):
     """Counts the operators dispatched outside graph replays (a graph's replay launches none of its own on CUDA; the
     CPU stand-in's replay re-runs operators, which ``tally.inside`` tells apart)."""
 
@@ -110,6 +111,19 @@ class _OpCounter(TorchDispatchMode):
         if not self.tally.inside:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def _autocast_cache_off(compiled: Any) -> Any:
+    """torch.compile's call with autocast's cache off on every call through the tier, as a capture has it: dynamo
+    guards on that switch, so one state compiles once and never inside a capture (where Inductor's first run of its
+    kernels cannot be captured). Compiled code casts in its own kernels; only a graph break's eager code casts anew."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with autocast_cache_disabled():
+            return compiled(*args, **kwargs)
+
+    call.__wrapped__ = compiled  # type: ignore[attr-defined]
+    return call
 
 
 class PartialGraphs:
@@ -167,11 +181,17 @@ class PartialGraphs:
             node = _Node(name, module, parent, self.config.max_graphs)
             if parent is not None:
                 parent.children.append(node)
-            if type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
+            compiled = node.compiled
+            if compiled and callable(module.__dict__.get("forward")):
+                # torch.compile's wrapper keeps the compiled call as its instance's ``forward``: the call is graphed
+                # as one module (Inductor's kernels inside our graphs), and given back by close()
+                node.forward = _autocast_cache_off(module.__dict__["forward"])
+                module.forward = self._wrapper(node)
+            elif type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
                 node.forward = module.forward
                 module.forward = self._wrapper(node)  # an instance attribute: nn.Module.__call__ calls it
             self.nodes.append(node)
-            if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: what it compiles stays one opaque call
+            if compiled:  # what torch.compile compiles stays one opaque call: its submodules run inside it
                 return
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child, node)
@@ -208,7 +228,10 @@ class PartialGraphs:
             self.optimizer.close()
         for node in self.nodes:
             if node.forward is not None and node.module.__dict__.get("forward") is not None:
-                del node.module.__dict__["forward"]
+                if hasattr(node.module, "_orig_mod"):
+                    node.module.__dict__["forward"] = node.forward.__wrapped__  # torch.compile's own instance forward
+                else:
+                    del node.module.__dict__["forward"]
             node.forward = None
             node.cache.clear()
         self.nodes = []

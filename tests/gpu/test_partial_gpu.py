@@ -13,6 +13,8 @@ Two cases, each bitwise equal to its eager reference in one process, with the co
 * a learning rate the user's ``optimizer_step`` sets every step, ``scope="auto"``: the whole step is refused at that
   line (a replay would keep one value), the partial tier graphs the whole model and the update, which reads the value
   set just before it; the reference is the user's own eager run;
+* a ``torch.compile``d model with the ``.item()`` loss, ``scope="auto"``: the compiled call is one graphed module
+  (Inductor's kernels inside the graphs); the reference is the same compiled model trained eagerly;
 * two heads chosen on the host per batch (one, the other, or both): a head not called in a step gets no gradient
   and no update, as in the user's own eager run (``zero_grad(set_to_none=True)``), with the graphs replaying;
 * a head applied once or, chosen on the host, twice in a step with the same input signature: the second call runs
@@ -178,6 +180,37 @@ def test_an_lr_set_in_optimizer_step_scope_auto_trains_with_partial_graphs_bitwi
     assert cb.stats.eager_reasons.get("partial graphs", 0) > 0 and cb.stats.replays == 0, cb.stats.summary()
     assert rep is not None and rep.graphed == ["model"] and rep.islands == {}
     assert rep.optimizer.startswith("graphed") and rep.optimizer_replays >= STEPS - 8, rep.optimizer
+    assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def _compiled_graphs() -> int:
+    """How many graphs dynamo compiled since the last call (its caches emptied: each fit compiles its own model)."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return graphs
+
+
+def test_a_compiled_model_with_a_loss_calling_item_is_one_graphed_module_bitwise():
+    SEEN.clear()
+    _compiled_graphs()
+    pl.seed_everything(0, verbose=False)
+    eager_losses, eager_params = _fit(ItemLossLM(llama(**SIZE), prepare=graph_safe_attention, compile_kw={}),
+                                      [CapturableEager()])
+    eager_graphs = _compiled_graphs()
+    SEEN.clear()
+    pl.seed_everything(0, verbose=False)
+    cb = CudaGraphCallback(scope="auto")
+    module = ItemLossLM(llama(**SIZE), compile_kw={})
+    losses, params = _fit(module, [cb])
+    graphs = _compiled_graphs()
+    rep = cb.stats.partial
+    print(cb.stats.summary())
+    assert rep is not None and rep.graphed == ["model"] and rep.islands == {}, rep
+    assert rep.replays >= STEPS - 5 and rep.optimizer_replays >= STEPS - 5, rep
+    assert "PartialGraphs" not in module.model.__dict__["forward"].__qualname__  # torch.compile's own, given back
+    assert graphs == eager_graphs  # nothing compiled inside a capture, nothing run uncompiled
     assert torch.equal(losses, eager_losses), (losses - eager_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
