@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nemo_cudagraph_plugin
 from nemo_cudagraph_plugin import CaptureConfig, CaptureError, CudaGraphCallback, ParityError
+from nemo_cudagraph_plugin.core import _torch_compat
 from nemo_cudagraph_plugin.core.partial import PartialGraphs
 
 cpu = torch.device("cpu")
@@ -1463,6 +1464,34 @@ def test_a_compiled_model_stays_compiled_through_the_verified_steps():
     # 3 warm-up steps, the capture, and the two verified steps' eager runs
     assert backend.runs == 3 + 1 + 2, backend.runs
     assert _compiled_runs(module, backend) == 1
+    _fresh_dynamo()
+
+
+@pytest.mark.lightning_adapter
+def test_before_torch_2_9_a_step_with_a_compiled_module_is_not_counted(monkeypatch):
+    """torch before 2.9 runs compiled code uncompiled under any dispatch mode: the tier leaves the operator count out
+    (coverage unmeasured) rather than run the user's compiled model uncompiled from the counted step on."""
+    monkeypatch.setattr(_torch_compat, "_COMPILED_RUNS_UNDER_MODES", False)
+    hf = pytest.importorskip("test_hf_cpu")
+    _fresh_dynamo()
+    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"},
+                                 compile_kw={"backend": CompiledCalls()})
+    rep = cb.stats.partial
+    assert rep.graphed == ["model"] and rep.ops_step == 0 and rep.op_coverage is None, rep
+    _fresh_dynamo()
+    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"})  # nothing compiled: counted
+    assert cb.stats.partial.op_coverage is not None
+
+
+@pytest.mark.lightning_adapter
+def test_before_torch_2_9_verify_steps_with_a_compiled_model_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(_torch_compat, "_COMPILED_RUNS_UNDER_MODES", False)
+    hf = pytest.importorskip("test_hf_cpu")
+    _fresh_dynamo()
+    with pytest.raises(CaptureError, match=r"CudaGraphCallback\(verify_steps=2\) runs each verified step once more .*"
+                                           r"runs HFCausalLM\.model, compiled with torch\.compile, uncompiled under it "
+                                           r"and from then on\. Use verify_steps=0, or torch >= 2\.9"):
+        hf.fit(hf.llama(), graphed=True, cb_kw={"verify_steps": 2}, compile_kw={"backend": CompiledCalls()})
     _fresh_dynamo()
 
 

@@ -1,6 +1,6 @@
 """Framework-free core: capture engine, static buffers, graph cache, RNG, optimizer prep, NaN guard."""
 
-from ._torch_compat import compiled_with_cuda_graphs
+from ._torch_compat import compiled_runs_under_modes, compiled_submodule, compiled_with_cuda_graphs
 from .adapter import StepAdapter, StepFunctions
 from .buffers import StaticInputs, flatten, signature_of, unflatten
 from .config import CaptureConfig, CaptureStats
@@ -28,6 +28,8 @@ __all__ = [
     "StepAdapter",
     "StepFunctions",
     "check_optimizer_supported",
+    "compiled_runs_under_modes",
+    "compiled_submodule",
     "compiled_with_cuda_graphs",
     "flatten",
     "portable_optimizer_state",

@@ -28,6 +28,8 @@ __all__ = [
     "clear_found_inf",
     "compiled_with_cuda_graphs",
     "ObservingMode",
+    "compiled_runs_under_modes",
+    "compiled_submodule",
     "FOREACH_NORM",
     "dispatch_disabled",
     "written_arguments",
@@ -104,6 +106,12 @@ def clear_found_inf(optimizer: Any, found_inf: Tensor) -> None:
         del optimizer.found_inf
 
 
+def compiled_submodule(module: torch.nn.Module) -> Optional[str]:
+    """The name (``""`` for ``module`` itself) of the first submodule that is ``torch.compile``'s wrapper of a module,
+    else ``None``."""
+    return next((name for name, m in module.named_modules() if hasattr(m, "_orig_mod")), None)
+
+
 def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
     """The name (``""`` for ``module`` itself) of the first submodule that ``torch.compile`` compiles with its own
     CUDA graphs (``mode="reduce-overhead"``/``"max-autotune"``, ``options={"triton.cudagraphs": True}``, or that
@@ -126,6 +134,15 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
 FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
 
 
+_COMPILED_RUNS_UNDER_MODES = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+def compiled_runs_under_modes() -> bool:
+    """Whether ``torch.compile``d code can run compiled under a dispatch mode (:class:`ObservingMode`; torch 2.9+).
+    Before, dynamo runs it eagerly under any dispatch mode that is not torch's own, with no way to say otherwise."""
+    return _COMPILED_RUNS_UNDER_MODES
+
+
 class ObservingMode(TorchDispatchMode):
     """The base of the package's dispatch modes: they watch the operators a step dispatches, and ``torch.compile``d
     code keeps running compiled under them (its fused kernels are not dispatched, so these modes do not see them;
@@ -134,7 +151,9 @@ class ObservingMode(TorchDispatchMode):
     Dynamo runs a compiled function eagerly under a dispatch mode that does not declare this, and marks the code it
     skipped to run eagerly from then on (torch 2.11 and 2.13, ``convert_frame``: "non-infra torch dispatch mode
     present"): one counted or verified step would leave the user's compiled model uncompiled for the rest of the
-    process, slower and with eager's rounding. Torch versions without the hook ignore it.
+    process, slower and with eager's rounding. Torch versions without the hook (before 2.9,
+    :func:`compiled_runs_under_modes`) run compiled code eagerly under any mode: the package does not enter these modes
+    around a compiled module there.
     """
 
     @classmethod

@@ -56,7 +56,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._torch_compat import ObservingMode, autocast_cache_disabled, autocast_state
+from ._torch_compat import ObservingMode, autocast_cache_disabled, autocast_state, compiled_runs_under_modes
 from .addresses import difference
 from .backend import CapturePool, GraphBackend, default_backend
 from .buffers import flatten, signature_of
@@ -254,7 +254,7 @@ class PartialGraphs:
         self._events = 0
         self.grads.begin_step()
         measure = "step" if self._warmup_left == 1 else ("outside" if self._measure == "outside" else None)
-        counter = _OpCounter(self.tally) if measure is not None else None
+        counter = _OpCounter(self.tally) if measure is not None and self._countable() else None
         # The step whose graphs all replay is also the one whose islands are timed (the other steps time nothing).
         self._timing = measure == "outside"
         if self._timing:
@@ -305,6 +305,11 @@ class PartialGraphs:
             self._measure = "outside"  # measured on the next step whose graphs all replay
             self._summarize()
         self.watch.rebase()  # what the step's own Python set is the state its graphs were captured with
+
+    def _countable(self) -> bool:
+        """Whether the step's operators can be counted: torch before 2.9 would run a compiled module uncompiled under
+        the counter, and from then on (its coverage then stays unmeasured)."""
+        return compiled_runs_under_modes() or not any(n.compiled for n in self.nodes)
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import compiled_with_cuda_graphs
+from ..core import compiled_runs_under_modes, compiled_submodule, compiled_with_cuda_graphs
 from ..core.config import CaptureConfig
 from ..core.optim import built_capturable, check_optimizer_supported
 from ..fp8 import formats, is_te_module
@@ -99,6 +99,16 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
                 f"{owner}(scope='modules') is not supported with TransformerEngine modules ({te[0] or 'the module'}: "
                 f"{type(te[1]).__name__}): partial graphs do not run TransformerEngine's hazard checks on the modules "
                 "they graph. Use scope='step' (or 'auto', which keeps whole steps for such models)",
+            )
+    if config.verify_steps and not compiled_runs_under_modes():
+        compiled = compiled_submodule(pl_module)
+        if compiled is not None:
+            where = f"{type(pl_module).__name__}.{compiled}" if compiled else type(pl_module).__name__
+            return Refusal(
+                "verify_steps with torch.compile",
+                f"{owner}(verify_steps={config.verify_steps}) runs each verified step once more under a dispatch mode "
+                f"that records its writes, and torch {torch.__version__} (before 2.9) runs {where}, compiled with "
+                "torch.compile, uncompiled under it and from then on. Use verify_steps=0, or torch >= 2.9",
             )
     if not pl_module.automatic_optimization:
         return Refusal(
