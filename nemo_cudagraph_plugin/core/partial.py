@@ -228,7 +228,7 @@ class PartialGraphs:
             self.optimizer.close()
         for node in self.nodes:
             if node.forward is not None and node.module.__dict__.get("forward") is not None:
-                if hasattr(node.module, "_orig_mod"):
+                if node.compiled:
                     node.module.__dict__["forward"] = node.forward.__wrapped__  # torch.compile's own instance forward
                 else:
                     del node.module.__dict__["forward"]

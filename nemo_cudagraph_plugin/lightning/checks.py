@@ -61,6 +61,11 @@ def _mro_names(obj: Any) -> set[str]:
     return {c.__name__ for c in type(obj).__mro__}
 
 
+def _submodule_name(pl_module: Any, name: str) -> str:
+    """A submodule as the user reaches it: ``MyModule.model`` (``MyModule`` for the module itself)."""
+    return f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
+
+
 def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: str) -> Optional[Refusal]:
     """Refusals known at ``setup`` on any machine: options, strategy, optimization mode, precision."""
     if not config.enabled:
@@ -103,7 +108,7 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
     if config.verify_steps and not compiled_runs_under_modes():
         compiled = compiled_submodule(pl_module)
         if compiled is not None:
-            where = f"{type(pl_module).__name__}.{compiled}" if compiled else type(pl_module).__name__
+            where = _submodule_name(pl_module, compiled)
             return Refusal(
                 "verify_steps with torch.compile",
                 f"{owner}(verify_steps={config.verify_steps}) runs each verified step once more under a dispatch mode "
@@ -126,7 +131,7 @@ def setup_refusal(config: CaptureConfig, trainer: Any, pl_module: Any, owner: st
         )
     compiled = compiled_with_cuda_graphs(pl_module)
     if compiled is not None:
-        where = f"{type(pl_module).__name__}.{compiled}" if compiled else type(pl_module).__name__
+        where = _submodule_name(pl_module, compiled)
         return Refusal(
             "torch.compile with CUDA graphs",
             f"{where} is compiled with torch.compile's own CUDA graphs (mode='reduce-overhead' or 'max-autotune'), "
