@@ -413,19 +413,24 @@ class _Stream:
 
 
 class CompiledCalls:
-    """A ``torch.compile`` backend standing in for Inductor on the CPU: its compiled code runs the traced graph's
-    operators one by one (the tape sees them, as CUDA capture sees Inductor's kernels) and counts its runs. A call
-    that dynamo runs uncompiled instead (a frame it skips) is not counted."""
+    """A ``torch.compile`` backend standing in for Inductor on the CPU: AOTAutograd's forward and backward graphs as
+    Inductor gets them (its runtime, donated buffers included), run operator by operator (the tape sees them, as
+    CUDA capture sees Inductor's kernels), and a count of the compiled code's runs. A call that dynamo runs
+    uncompiled instead (a frame it skips) is not counted."""
 
     def __init__(self) -> None:
         self.runs = 0
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
-        def compiled(*args: Any) -> Any:
-            self.runs += 1
-            return gm(*args)
+        from torch._dynamo.backends.debugging import aot_eager
 
-        return compiled
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            self.runs += 1
+            return compiled(*args)
+
+        return run
 
 
 class TapeBackend(GraphBackend):

@@ -47,6 +47,7 @@ __all__ = [
     "sgd_init_group",
     "sgd_step_is_torchs",
     "autocast_cache_disabled",
+    "donated_buffers_off",
     "autocast_state",
     "zero_grads_in_place",
     "grad_accumulator",
@@ -306,6 +307,15 @@ def mark_step_called(optimizer: Any) -> None:
     """What torch's LR scheduler's wrapper of ``optimizer.step`` records (it warns when a schedule steps first): set
     by a step that stands in for the wrapped one."""
     optimizer._opt_called = True
+
+
+def donated_buffers_off() -> Any:
+    """AOTAutograd's check of donated buffers off in the block (torch 2.6+; a no-op before): a compiled backward whose
+    saved tensors it may overwrite refuses ``retain_graph=True`` under it, which the partial tier's backward capture
+    passes (a CUDA capture only records, so the eager backward after a failed capture is the first to run them)."""
+    import torch._functorch.config as config
+
+    return config.patch(donated_buffer=False) if hasattr(config, "donated_buffer") else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

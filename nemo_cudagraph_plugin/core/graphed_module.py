@@ -79,6 +79,7 @@ from ._torch_compat import (
     backward_pass_id,
     backward_runs,
     copy_all,
+    donated_buffers_off,
     drop_empty_grad_hooks,
     grad_accumulator,
     has_grad_hooks,
@@ -462,9 +463,10 @@ class GraphedCall:
     def _grads(self) -> tuple[Optional[Tensor], ...]:
         """The backward of the capture's autograd graph, run (or recorded) once more; it stays for the next time."""
         wrt = [s for s in self.inputs if s.requires_grad] + list(self.params)
-        return torch.autograd.grad([o for o, d in zip(self.outs, self.diff) if d], wrt,
-                                   grad_outputs=[g for g in self.grad_outs if g is not None],
-                                   retain_graph=True, allow_unused=True)
+        with donated_buffers_off():  # a compiled module's backward refuses retain_graph with donated buffers
+            return torch.autograd.grad([o for o, d in zip(self.outs, self.diff) if d], wrt,
+                                       grad_outputs=[g for g in self.grad_outs if g is not None],
+                                       retain_graph=True, allow_unused=True)
 
     def _slots(self, got: Sequence[Optional[Tensor]]) -> tuple[Optional[Tensor], ...]:
         """One gradient per input of :class:`_Replay` (``None`` for an input that needs none)."""

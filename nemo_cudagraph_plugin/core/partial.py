@@ -113,7 +113,7 @@ class _OpCounter(ObservingMode):
         return func(*args, **(kwargs or {}))
 
 
-def _autocast_cache_off(compiled: Any) -> Any:
+def _as_captured(compiled: Any) -> Any:
     """torch.compile's call with autocast's cache off on every call through the tier, as a capture has it: dynamo
     guards on that switch, so one state compiles once and never inside a capture (where Inductor's first run of its
     kernels cannot be captured). Compiled code casts in its own kernels; only a graph break's eager code casts anew."""
@@ -185,7 +185,7 @@ class PartialGraphs:
             if compiled and callable(module.__dict__.get("forward")):
                 # torch.compile's wrapper keeps the compiled call as its instance's ``forward``: the call is graphed
                 # as one module (Inductor's kernels inside our graphs), and given back by close()
-                node.forward = _autocast_cache_off(module.__dict__["forward"])
+                node.forward = _as_captured(module.__dict__["forward"])
                 module.forward = self._wrapper(node)
             elif type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
                 node.forward = module.forward
