@@ -1524,7 +1524,7 @@ MUTANTS: list[Mutant] = [
            "verify_steps with a compiled model on torch before 2.9 is not refused: the verified step runs it uncompiled"),
     Mutant("compiled-backward-capture-keeps-donated-check", "cpu", GMOD,
            "        with donated_buffers_off():  # a compiled module's backward refuses retain_graph with donated buffers",
-           "        with contextlib.nullcontext():",
+           "        with torch.autograd.set_grad_enabled(torch.is_grad_enabled()):",
            (PT + "test_a_compiled_model_is_one_graphed_module_and_its_host_read_makes_it_an_island",),
            "a torch.compile'd module's backward capture (retain_graph=True) raises AOTAutograd's donated-buffer error"),
     Mutant("partial-untouched-grads-kept", "cpu", GMOD,
