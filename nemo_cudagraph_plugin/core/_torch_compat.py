@@ -30,6 +30,7 @@ __all__ = [
     "ObservingMode",
     "compiled_runs_under_modes",
     "compiled_submodule",
+    "is_compiled",
     "FOREACH_NORM",
     "dispatch_disabled",
     "written_arguments",
@@ -107,10 +108,15 @@ def clear_found_inf(optimizer: Any, found_inf: Tensor) -> None:
         del optimizer.found_inf
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper of a module (``OptimizedModule``: it holds ``_orig_mod``)."""
+    return hasattr(module, "_orig_mod")
+
+
 def compiled_submodule(module: torch.nn.Module) -> Optional[str]:
     """The name (``""`` for ``module`` itself) of the first submodule that is ``torch.compile``'s wrapper of a module,
     else ``None``."""
-    return next((name for name, m in module.named_modules() if hasattr(m, "_orig_mod")), None)
+    return next((name for name, m in module.named_modules() if is_compiled(m)), None)
 
 
 def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
@@ -120,7 +126,7 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> Any:
     trees when the compiled code runs, which cannot happen inside another graph's capture."""
     for name, m in module.named_modules():
         get_config = getattr(m, "get_compiler_config", None)  # torch.compile's OptimizedModule
-        if get_config is None or not hasattr(m, "_orig_mod"):
+        if get_config is None or not is_compiled(m):
             continue
         # Inductor's options as this compile will use them (its mode and the global config); None for other backends.
         config = get_config()

@@ -56,7 +56,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._torch_compat import ObservingMode, autocast_cache_disabled, autocast_state, compiled_runs_under_modes
+from ._torch_compat import (
+    ObservingMode,
+    autocast_cache_disabled,
+    autocast_state,
+    compiled_runs_under_modes,
+    is_compiled,
+)
 from .addresses import difference
 from .backend import CapturePool, GraphBackend, default_backend
 from .buffers import flatten, signature_of
@@ -95,7 +101,7 @@ class _Node:
         self.cache: GraphCache[GraphedCall] = GraphCache(max_graphs)
         self.seen: set[Hashable] = set()
         self.host_s = 0.0  # its own code's host time in the step whose islands are timed
-        self.compiled = hasattr(module, "_orig_mod")  # torch.compile's wrapper
+        self.compiled = is_compiled(module)
 
 
 class _OpCounter(ObservingMode):
