@@ -412,18 +412,26 @@ class _Stream:
         pass
 
 
+_capturing = [0]  # tape captures running now (CompiledCalls.in_capture)
+
+
 class CompiledCalls:
     """A ``torch.compile`` backend standing in for Inductor on the CPU: AOTAutograd's forward and backward graphs as
     Inductor gets them (its runtime, donated buffers included), run operator by operator (the tape sees them, as
     CUDA capture sees Inductor's kernels), and a count of the compiled code's runs. A call that dynamo runs
-    uncompiled instead (a frame it skips) is not counted."""
+    uncompiled instead (a frame it skips) is not counted. ``in_capture`` counts the graphs compiled while a tape
+    captures (on CUDA, Inductor's first run of new kernels inside a capture fails it)."""
 
     def __init__(self) -> None:
         self.runs = 0
+        self.compiles = 0
+        self.in_capture = 0
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         from torch._dynamo.backends.debugging import aot_eager
 
+        self.compiles += 1
+        self.in_capture += _capturing[0] > 0
         compiled = aot_eager(gm, example_inputs)
 
         def run(*args: Any) -> Any:
@@ -482,6 +490,7 @@ class TapeBackend(GraphBackend):
             pool.used = True
             pool.graphs.add(graph)
         graph.ops.clear()
+        _capturing[0] += 1
         try:
             with kernel_args.capture_scope() as scalars, _Recorder(graph, self.sync_in_capture):
                 yield
@@ -489,6 +498,8 @@ class TapeBackend(GraphBackend):
             if isinstance(pool, _Pool):
                 pool.stuck = True
             raise
+        finally:
+            _capturing[0] -= 1
         graph._fresh = True
         graph.host_scalars = scalars
         self.graphs.append(weakref.ref(graph))

@@ -30,6 +30,7 @@ __all__ = [
     "ObservingMode",
     "compiled_runs_under_modes",
     "compiled_submodule",
+    "compiler_of",
     "is_compiled",
     "FOREACH_NORM",
     "dispatch_disabled",
@@ -111,6 +112,18 @@ def clear_found_inf(optimizer: Any, found_inf: Tensor) -> None:
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is ``torch.compile``'s wrapper of a module (``OptimizedModule``: it holds ``_orig_mod``)."""
     return hasattr(module, "_orig_mod")
+
+
+def compiler_of(compiled: torch.nn.Module) -> Any:
+    """What compiles a callable as ``torch.compile`` compiled ``compiled`` (the same backend, mode, options,
+    ``dynamic`` and ``fullgraph``), ``None`` where its wrapper keeps nothing to compile with.
+
+    That is the wrapper's dynamo context (``OptimizedModule.dynamo_ctx``, torch 2.0 to 2.13): what ``torch.compile``
+    applied to the module's call; applied to another callable it compiles that one the same way. A submodule's bound
+    ``forward`` compiles the submodule's own code only: instances of one class share that code and, where dynamo
+    inlines ``nn.Module`` calls (torch 2.5+), one compiled graph."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    return ctx if callable(ctx) else None
 
 
 def compiled_submodule(module: torch.nn.Module) -> Optional[str]:

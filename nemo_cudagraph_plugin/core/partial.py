@@ -61,6 +61,7 @@ from ._torch_compat import (
     autocast_cache_disabled,
     autocast_state,
     compiled_runs_under_modes,
+    compiler_of,
     is_compiled,
 )
 from .addresses import difference
@@ -78,6 +79,7 @@ __all__ = ["PartialGraphs"]
 
 # A module's place in the tier.
 _WATCH = "watch"  # warm-up: counted, its signatures noted, eager
+_OPENED = "opened"  # inside compiled code split open: counted over a whole step as in the warm-up, then assigned
 _EAGER = "eager"  # not graphed itself (never called, called more than once per step, or split): its children decide
 _CANDIDATE = "candidate"  # its next call of a known signature is captured
 _GRAPHED = "graphed"  # its calls replay its graphs
@@ -87,11 +89,17 @@ _SPLIT = "split"  # its capture failed: it runs eagerly, its children are candid
 
 class _Node:
     __slots__ = ("name", "module", "forward", "parent", "children", "calls", "per_step", "status", "reason",
-                 "location", "cache", "seen", "host_s", "compiled")
+                 "location", "cache", "seen", "host_s", "compiled", "compiler", "plain", "restore")
 
-    def __init__(self, name: str, module: nn.Module, parent: Optional[_Node], max_graphs: int) -> None:
+    def __init__(self, name: str, module: nn.Module, parent: Optional[_Node], max_graphs: int,
+                 compiler: Any = None) -> None:
         self.name, self.module, self.parent = name, module, parent
-        self.forward: Any = None
+        self.forward: Any = None  # the call the tier makes (None: not wrapped, or not yet)
+        #: inside a compiled module: what compiles this module's calls once the compiled code around it is split open
+        #: (:meth:`PartialGraphs._open`); until then the tier leaves it alone (dynamo traces it as the user's code)
+        self.compiler = compiler
+        self.plain: Any = None  # a node running compiled code that can be split open: its own call, uncompiled
+        self.restore: Any = None  # the instance ``forward`` that close() gives back (None: it had none)
         self.children: list[_Node] = []
         self.calls = 0  # this step
         self.per_step = 0  # in the last warm-up step
@@ -101,7 +109,7 @@ class _Node:
         self.cache: GraphCache[GraphedCall] = GraphCache(max_graphs)
         self.seen: set[Hashable] = set()
         self.host_s = 0.0  # its own code's host time in the step whose islands are timed
-        self.compiled = is_compiled(module)
+        self.compiled = is_compiled(module)  # its calls run compiled code (torch.compile's, or the tier's, opened)
 
 
 class _OpCounter(ObservingMode):
@@ -175,6 +183,9 @@ class PartialGraphs:
         self._measure: Optional[str] = None
         self._timing = False  # this step's calls are timed (the islands' host time)
         self._inner_s: list[float] = []  # per timed call being run: the time of the calls inside it so far
+        #: submodules of compiled code split open, by the step they were opened in: counted, then made candidates
+        #: (:meth:`_open`)
+        self._opened: list[tuple[int, list[_Node]]] = []
         #: the optimizer side of the step as one graph (:meth:`graph_optimizer`); ``None``: it runs eagerly
         self.optimizer: Optional[OptimizerGraph] = None
         self._build(root)
@@ -183,26 +194,51 @@ class PartialGraphs:
     # the module tree
     # ------------------------------------------------------------------------------------------
     def _build(self, root: nn.Module) -> None:
-        def visit(name: str, module: nn.Module, parent: Optional[_Node]) -> None:
-            node = _Node(name, module, parent, self.config.max_graphs)
+        def visit(name: str, module: nn.Module, parent: Optional[_Node], compiler: Any) -> None:
+            node = _Node(name, module, parent, self.config.max_graphs, compiler)
             if parent is not None:
                 parent.children.append(node)
-            compiled = node.compiled
-            if compiled and callable(module.__dict__.get("forward")):
-                # torch.compile's wrapper keeps the compiled call as its instance's ``forward``: the call is graphed
-                # as one module (Inductor's kernels inside our graphs), and given back by close()
-                node.forward = _as_captured(module.__dict__["forward"])
-                module.forward = self._wrapper(node)
-            elif type(module).forward is not nn.Module.forward and "forward" not in module.__dict__:
-                node.forward = module.forward
-                module.forward = self._wrapper(node)  # an instance attribute: nn.Module.__call__ calls it
             self.nodes.append(node)
-            if compiled:  # what torch.compile compiles stays one opaque call: its submodules run inside it
-                return
-            for child_name, child in module.named_children():
-                visit(f"{name}.{child_name}" if name else child_name, child, node)
+            if compiler is None:
+                self._install(node)
+            inner = module
+            if node.compiled:
+                # what torch.compile compiles runs as one opaque call: its submodules are nodes of the tier only once
+                # a host read inside the compiled code splits it open (never where nothing can compile them)
+                compiler = compiler_of(module)
+                if compiler is None:
+                    return
+                inner = module._orig_mod  # named as the user's module tree has them, without the wrapper's name
+            for child_name, child in inner.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child, node, compiler)
 
-        visit("", root, None)
+        visit("", root, None, None)
+
+    def _install(self, node: _Node) -> bool:
+        """Wrap ``node``'s ``forward`` (an instance attribute: ``nn.Module.__call__`` calls it); ``False`` for a
+        module the tier does not call (a container without ``forward``, one whose instance has its own)."""
+        if node.forward is not None:
+            return True
+        module = node.module
+        own = module.__dict__.get("forward")
+        if node.compiled and callable(own):
+            # torch.compile's wrapper keeps the compiled call as its instance's ``forward``: the call is graphed as one
+            # module (Inductor's kernels inside our graphs); split open, the module runs uncompiled around its
+            # submodules, each compiled alone
+            node.restore, call = own, own
+            if compiler_of(module) is not None:
+                node.plain = module._orig_mod.__call__
+        elif own is None and type(module).forward is not nn.Module.forward:
+            call = module.forward
+            if node.compiler is not None:  # inside compiled code split open: this module's own code, compiled alone
+                node.plain, call = call, node.compiler(call)
+                node.compiled = True
+        else:
+            return False
+        # compiled calls run as a capture has them (_as_captured): one compile, outside any capture
+        node.forward = _as_captured(call) if node.compiled else call
+        module.forward = self._wrapper(node)
+        return True
 
     def _wrapper(self, node: _Node) -> Any:
         call = self._call
@@ -234,8 +270,8 @@ class PartialGraphs:
             self.optimizer.close()
         for node in self.nodes:
             if node.forward is not None and node.module.__dict__.get("forward") is not None:
-                if node.compiled:
-                    node.module.__dict__["forward"] = node.forward.__wrapped__  # torch.compile's own instance forward
+                if node.restore is not None:
+                    node.module.__dict__["forward"] = node.restore  # torch.compile's own instance forward
                 else:
                     del node.module.__dict__["forward"]
             node.forward = None
@@ -301,6 +337,8 @@ class PartialGraphs:
             if counter is not None:
                 self.report.ops_step = counter.count
             self.report.modules_called = sum(1 for n in self.nodes if n.per_step)
+        elif self._opened:
+            self._assign_opened()
         elif counter is not None and self._events == 0:
             self.report.ops_outside = counter.count
             by_name = {n.name: n for n in self.nodes}
@@ -340,7 +378,7 @@ class PartialGraphs:
         """Whether the step running now may replay graphs and nothing else (``verify_steps``; checked before its
         calls, and by :meth:`replayed_only` after them): past the warm-up, no module left to try, a graph to replay."""
         return (self._in_step and self._warmup_left == 0 and self._graphs_live()
-                and not any(n.status is _WATCH or n.status is _CANDIDATE for n in self.nodes))
+                and not any(n.status is _WATCH or n.status is _OPENED or n.status is _CANDIDATE for n in self.nodes))
 
     def replayed_only(self) -> bool:
         """Whether the step running now has so far replayed graphs of the tier and done nothing else of the tier's:
@@ -430,7 +468,7 @@ class PartialGraphs:
         leaves, spec = flatten((args, kwargs))
         key = (signature_of(leaves, spec), tuple(t.requires_grad for t in leaves), torch.is_grad_enabled(),
                autocast_state(self.backend.device_type))
-        if status is _WATCH:
+        if status is _WATCH or status is _OPENED:
             node.seen.add(key)
             return node.forward(*args, **kwargs)
         entry = node.cache.get(key)
@@ -519,8 +557,58 @@ class PartialGraphs:
                                                        "")
         node.location = err.location
         node.cache.clear()
+        if node.plain is not None and node.children:
+            self._open(node)
+            return
         for child in node.children:
             self._assign(child)
+
+    def _open(self, node: _Node) -> None:
+        """Split open a module whose compiled code did not capture (a host read inside it): from now on its own code
+        runs uncompiled, as written, and each submodule it calls is compiled alone with the same ``torch.compile``
+        settings, so that the host read is an island of the module's own code and the submodules around it are
+        graphs with Inductor's kernels. The submodules are counted until the end of a step they ran in
+        (:meth:`_assign_opened`), then made candidates; their first calls compile them, outside any capture.
+
+        Inductor then fuses within each submodule rather than across them: the losses may differ from the whole
+        module's compile by rounding, as any two compiles of one model may. Said once, for the user's compiled
+        module; every module split open is listed in ``stats.partial.compiled_apart``."""
+        node.forward = node.plain
+        opened: list[_Node] = []
+
+        def frontier(n: _Node) -> None:
+            if self._install(n):
+                n.status = _OPENED
+                opened.append(n)
+                return
+            n.status = _EAGER  # a container never called itself (ModuleList): its children are called
+            for c in n.children:
+                frontier(c)
+
+        for child in node.children:
+            frontier(child)
+        self._opened.append((self._step_no, opened))
+        self.report.compiled_apart.append(node.name)
+        if node.compiler is None:  # the user's torch.compile wrapper (the modules below it are the tier's compiles)
+            warnings.warn(
+                f"module '{node.name or '<root>'}' reads the host inside its torch.compile'd code ({node.reason}): its submodules "
+                "are compiled one by one with its torch.compile settings and graphed where they capture, its own code "
+                "runs uncompiled. Inductor then fuses within each submodule, so losses may differ from the whole "
+                "module's compile by rounding.", stacklevel=5)
+
+    def _assign_opened(self) -> None:
+        """At the end of a step, the submodules counted since they were opened: made candidates (or passed to their
+        children). Those opened in this step's forward ran after it in this step (the module split open is called
+        once in a step, and runs them); those opened in its backward did not, and are counted over the next step."""
+        waiting = []
+        for step, nodes in self._opened:
+            if step == self._step_no and not any(n.calls for n in nodes):
+                waiting.append((step, nodes))
+                continue
+            for n in nodes:
+                n.per_step = n.calls
+                self._assign(n)
+        self._opened = waiting
 
     # ------------------------------------------------------------------------------------------
     # coverage
@@ -528,6 +616,7 @@ class PartialGraphs:
     def _summarize(self) -> None:
         rep = self.report
         graphed = [n for n in self.nodes if n.status is _GRAPHED]
+        rep.modules_called = sum(1 for n in self.nodes if n.per_step)  # with the submodules of compiled code opened
         rep.graphed = [n.name for n in graphed]
         inside = {id(d) for n in graphed for d in self._descendants(n)} | {id(n) for n in graphed}
         rep.modules_graphed = sum(1 for n in self.nodes if n.per_step and id(n) in inside)
