@@ -1495,6 +1495,34 @@ def test_compiled_code_reading_the_host_is_split_open_once_with_one_warning_and_
     _fresh_dynamo()
 
 
+@pytest.mark.lightning_adapter
+def test_a_compiled_submodule_reading_the_host_is_split_open_inside_an_uncompiled_model():
+    """The user compiles only the check around decoder layer 1: the rest of the model is graphed as written, the
+    check is split open and the layer inside it compiled alone and graphed."""
+    hf = pytest.importorskip("test_hf_cpu")
+    eager_backend, backend = CompiledCalls(), CompiledCalls()
+
+    def compiled_check(b):
+        def prepare(model):
+            guard_layer(model)
+            model.model.layers[1] = torch.compile(model.model.layers[1], backend=b)
+        return prepare
+
+    _fresh_dynamo()
+    eager_module, eager, _ = hf.fit(hf.llama(), graphed=False, prepare=compiled_check(eager_backend))
+    _fresh_dynamo()
+    module, graphed, cb = hf.fit(hf.llama(), graphed=True, cb_kw={"scope": "modules"},
+                                 prepare=compiled_check(backend))
+    assert graphed == eager
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), eager_module.parameters()))
+    rep = cb.stats.partial
+    assert rep.graphed == ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1.inner",
+                           "model.model.norm", "model.model.rotary_emb", "model.lm_head"]
+    assert list(rep.islands) == ["model.model.layers.1"] and rep.compiled_apart == ["model.model.layers.1"]
+    assert backend.in_capture == 0 and backend.compiles > eager_backend.compiles
+    _fresh_dynamo()
+
+
 def test_compiled_code_whose_backward_reads_the_host_is_split_open_after_its_eager_gradients():
     """The compiled model's forward captures, its backward does not (a host read in a custom backward that dynamo
     leaves eager): that step's gradients come eagerly, and the model is split open, then the block whose backward
