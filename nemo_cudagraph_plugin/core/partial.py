@@ -79,7 +79,7 @@ __all__ = ["PartialGraphs"]
 
 # A module's place in the tier.
 _WATCH = "watch"  # warm-up: counted, its signatures noted, eager
-_OPENED = "opened"  # inside compiled code split open: counted over a whole step as in the warm-up, then assigned
+_OPENED = "opened"  # inside compiled code split open: counted as in the warm-up (:meth:`PartialGraphs._open`)
 _EAGER = "eager"  # not graphed itself (never called, called more than once per step, or split): its children decide
 _CANDIDATE = "candidate"  # its next call of a known signature is captured
 _GRAPHED = "graphed"  # its calls replay its graphs
@@ -102,7 +102,7 @@ class _Node:
         self.restore: Any = None  # the instance ``forward`` that close() gives back (None: it had none)
         self.children: list[_Node] = []
         self.calls = 0  # this step
-        self.per_step = 0  # in the last warm-up step
+        self.per_step = 0  # in the last warm-up step (for a submodule of compiled code split open: once counted)
         self.status = _WATCH
         self.reason: Optional[str] = None
         self.location: Optional[str] = None
@@ -337,14 +337,14 @@ class PartialGraphs:
             if counter is not None:
                 self.report.ops_step = counter.count
             self.report.modules_called = sum(1 for n in self.nodes if n.per_step)
-        elif self._opened:
-            self._assign_opened()
         elif counter is not None and self._events == 0:
             self.report.ops_outside = counter.count
             by_name = {n.name: n for n in self.nodes}
             self.report.island_host_ms = {k: by_name[k].host_s * 1e3 for k in self.report.islands if k in by_name}
             self._measure = None
         self._timing = False
+        if self._opened:
+            self._assign_opened()
         if not warm and self._events:
             self._measure = "outside"  # measured on the next step whose graphs all replay
             self._summarize()
@@ -470,6 +470,8 @@ class PartialGraphs:
                autocast_state(self.backend.device_type))
         if status is _WATCH or status is _OPENED:
             node.seen.add(key)
+            if status is _OPENED:
+                self._events += 1  # a module not yet tried runs eagerly: not a step whose graphs all replay
             return node.forward(*args, **kwargs)
         entry = node.cache.get(key)
         if entry is not None:
@@ -591,10 +593,10 @@ class PartialGraphs:
         self.report.compiled_apart.append(node.name)
         if node.compiler is None:  # the user's torch.compile wrapper (the modules below it are the tier's compiles)
             warnings.warn(
-                f"module '{node.name or '<root>'}' reads the host inside its torch.compile'd code ({node.reason}): its submodules "
-                "are compiled one by one with its torch.compile settings and graphed where they capture, its own code "
-                "runs uncompiled. Inductor then fuses within each submodule, so losses may differ from the whole "
-                "module's compile by rounding.", stacklevel=5)
+                f"module '{node.name or '<root>'}' reads the host inside its torch.compile'd code ({node.reason}): "
+                "its submodules are compiled one by one with its torch.compile settings and graphed where they "
+                "capture, its own code runs uncompiled. Inductor then fuses within each submodule, so losses may "
+                "differ from the whole module's compile by rounding.", stacklevel=5)
 
     def _assign_opened(self) -> None:
         """At the end of a step, the submodules counted since they were opened: made candidates (or passed to their
