@@ -1518,6 +1518,12 @@ MUTANTS: list[Mutant] = [
            "            if step == self._step_no:",
            (PT + "test_a_compiled_model_is_one_graphed_module_and_its_host_read_splits_it_open[True]",),
            "submodules opened in a forward wait for another whole step: each level of the model costs a step more"),
+    Mutant("partial-compiled-submodules-wrapped-without-a-compiler", "cpu", PARTIAL,
+           "                compiler = compiler_of(module)\n                if compiler is None:\n                    return\n",
+           "                compiler = compiler_of(module)\n",
+           (PT + "test_compiled_code_reading_the_host_stays_one_island_where_nothing_can_compile_its_submodules",),
+           "where nothing can compile a compiled module's submodules, the tier wraps them from the start: dynamo traces "
+           "the tier's wrappers inside the user's compiled code"),
     Mutant("partial-compiled-call-keeps-the-autocast-cache", "cpu", PARTIAL,
            "        with autocast_cache_disabled():\n            return compiled(*args, **kwargs)",
            "        with contextlib.nullcontext():\n            return compiled(*args, **kwargs)",

@@ -1523,6 +1523,29 @@ def test_a_compiled_submodule_reading_the_host_is_split_open_inside_an_uncompile
     _fresh_dynamo()
 
 
+def test_compiled_code_reading_the_host_stays_one_island_where_nothing_can_compile_its_submodules(monkeypatch):
+    """A torch whose compiled wrapper keeps no dynamo context to compile with: the compiled module is one island at
+    the user's line, run compiled as the user's code every step, nothing split open and nothing warned."""
+    import nemo_cudagraph_plugin.core.partial as partial
+
+    monkeypatch.setattr(partial, "compiler_of", lambda module: None)
+    eager_backend, backend = CompiledCalls(), CompiledCalls()
+    _fresh_dynamo()
+    e = train(lambda: torch.compile(Net(), backend=eager_backend), batches(6), False)
+    _fresh_dynamo()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        g = train(lambda: torch.compile(Net(), backend=backend), batches(6), True)
+    assert_bitwise(g, e)
+    rep = g[3].report
+    assert rep.graphed == [] and list(rep.islands) == [""] and rep.compiled_apart == []
+    assert rep.islands[""].startswith(_line(Guard.forward, "HOST-READ") + ": a host synchronisation")
+    assert not [w for w in seen if "torch.compile'd code" in str(w.message)]
+    assert backend.runs >= eager_backend.runs > 0  # every step's call ran compiled (the failed capture's too)
+    assert not any("forward" in m.__dict__ for m in g[4]._orig_mod.modules())
+    _fresh_dynamo()
+
+
 def test_compiled_code_whose_backward_reads_the_host_is_split_open_after_its_eager_gradients():
     """The compiled model's forward captures, its backward does not (a host read in a custom backward that dynamo
     leaves eager): that step's gradients come eagerly, and the model is split open, then the block whose backward
