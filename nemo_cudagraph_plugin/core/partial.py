@@ -566,10 +566,10 @@ class PartialGraphs:
             self._assign(child)
 
     def _open(self, node: _Node) -> None:
-        """Split open a module whose compiled code did not capture (a host read inside it): from now on its own code
-        runs uncompiled, as written, and each submodule it calls is compiled alone with the same ``torch.compile``
-        settings, so that the host read is an island of the module's own code and the submodules around it are
-        graphs with Inductor's kernels. The submodules are counted until the end of a step they ran in
+        """Split open a module whose compiled code did not capture (a host read inside it, or anything else a graph
+        cannot hold): from now on its own code runs uncompiled, as written, and each submodule it calls is compiled
+        alone with the same ``torch.compile`` settings, so that the host read is an island of the module's own code
+        and the submodules around it are graphs with Inductor's kernels. The submodules are counted until the end of a step they ran in
         (:meth:`_assign_opened`), then made candidates; their first calls compile them, outside any capture.
 
         Inductor then fuses within each submodule rather than across them: the losses may differ from the whole
@@ -593,10 +593,10 @@ class PartialGraphs:
         self.report.compiled_apart.append(node.name)
         if node.compiler is None:  # the user's torch.compile wrapper (the modules below it are the tier's compiles)
             warnings.warn(
-                f"module '{node.name or '<root>'}' reads the host inside its torch.compile'd code ({node.reason}): "
-                "its submodules are compiled one by one with its torch.compile settings and graphed where they "
-                "capture, its own code runs uncompiled. Inductor then fuses within each submodule, so losses may "
-                "differ from the whole module's compile by rounding.", stacklevel=5)
+                f"module '{node.name or '<root>'}' is compiled with torch.compile and its compiled code cannot be one "
+                f"graph ({node.reason}): its submodules are compiled one by one with its torch.compile settings and "
+                "graphed where they capture, its own code runs uncompiled. Inductor then fuses within each submodule, "
+                "so losses may differ from the whole module's compile by rounding.", stacklevel=5)
 
     def _assign_opened(self) -> None:
         """At the end of a step, the submodules counted since they were opened: made candidates (or passed to their
