@@ -1524,6 +1524,18 @@ MUTANTS: list[Mutant] = [
            (PT + "test_compiled_code_reading_the_host_stays_one_island_where_nothing_can_compile_its_submodules",),
            "where nothing can compile a compiled module's submodules, the tier wraps them from the start: dynamo traces "
            "the tier's wrappers inside the user's compiled code"),
+    Mutant("partial-compiled-warm-up-on-the-callers-views", "cpu", PARTIAL,
+           "        if node.compiled and any(is_view(t) for t in leaves):",
+           "        if False:",
+           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-False]", PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-False]"),
+           "a compiled module's eager calls before its capture get the caller's views: dynamo compiles for a "
+           "broadcast input and compiles again inside the capture, for the dense copy the capture reads"),
+    Mutant("partial-compiled-warm-up-densifies-broadcast-views-only", "cpu", PARTIAL,
+           "        if node.compiled and any(is_view(t) for t in leaves):",
+           "        if node.compiled and any(t.stride().count(0) for t in leaves):",
+           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-True]", PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-True]"),
+           "a compiled module's eager calls before its capture get a view that is not broadcast as it is: dynamo's "
+           "guards on its base fail on the capture's copy, which compiles inside the capture"),
     Mutant("partial-compiled-call-keeps-the-autocast-cache", "cpu", PARTIAL,
            "        with autocast_cache_disabled():\n            return compiled(*args, **kwargs)",
            "        with contextlib.nullcontext():\n            return compiled(*args, **kwargs)",

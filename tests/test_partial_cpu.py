@@ -272,14 +272,19 @@ class PosScale(nn.Module):
 
 
 class Expanding(nn.Module):
-    """Hands its child a broadcast view (``expand``: stride 0), as HF models do with position ids and masks."""
+    """Hands its child a broadcast view (``expand``: stride 0), as HF models do with position ids and masks; or, with
+    ``dense_view``, a view that is not broadcast (``unsqueeze``, ``view``: GPT-2's position ids)."""
 
-    def __init__(self):
+    def __init__(self, dense_view=False):
         super().__init__()
         self.inner = PosScale()
+        self.dense_view = dense_view
 
     def forward(self, x):
-        pos = torch.arange(4.0).expand(x.shape[0], 4)
+        if self.dense_view:
+            pos = torch.arange(4.0 * x.shape[0]).view(x.shape[0], 4)
+        else:
+            pos = torch.arange(4.0).expand(x.shape[0], 4)
         if x.abs().max() > 100:  # a host read: the root is not a graph, its child is tried
             x = x.clamp(-100, 100)
         return self.inner(x, pos)
@@ -1493,6 +1498,37 @@ def test_compiled_code_reading_the_host_is_split_open_once_with_one_warning_and_
     before = backend.runs
     model(torch.randn(5, 4))
     assert backend.runs > before  # the user's compiled model runs its compiled code again
+    _fresh_dynamo()
+
+
+@pytest.mark.parametrize("dense_view", [False, True])
+@pytest.mark.parametrize("compiled", ["model", "child"])
+def test_a_compiled_module_given_a_view_compiles_before_its_capture(compiled, dense_view):
+    """A compiled module's capture reads its own copy of an input that is a view (position ids, masks: dense where
+    the view is broadcast, and no view; dynamo guards on both): its eager calls before the capture get the same, so
+    dynamo compiles for what the capture runs, outside the capture (on CUDA, Inductor's first run of new kernels
+    inside a capture fails it)."""
+    def make(backend):
+        def model():
+            torch.manual_seed(0)
+            if compiled == "model":  # split open: the child is compiled alone
+                return torch.compile(Expanding(dense_view), backend=backend)
+            net = Expanding(dense_view)
+            net.inner = torch.compile(net.inner, backend=backend)
+            return net
+        return model
+
+    eager_backend, backend = CompiledCalls(), CompiledCalls()
+    data = batches(10, rows=(5, 5, 5, 5, 7))  # a new row count: dynamo recompiles with dynamic shapes, guarding views
+    _fresh_dynamo()
+    e = train(make(eager_backend), data, False)
+    _fresh_dynamo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = train(make(backend), data, True)
+    assert_bitwise(g, e)
+    assert g[3].report.graphed == ["inner"] and list(g[3].report.islands) == [""]
+    assert backend.in_capture == 0
     _fresh_dynamo()
 
 

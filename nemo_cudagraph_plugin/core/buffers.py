@@ -18,7 +18,7 @@ import torch
 
 from ._torch_compat import copy_all
 
-__all__ = ["flatten", "unflatten", "signature_of", "static_like", "StaticInputs"]
+__all__ = ["flatten", "unflatten", "signature_of", "is_broadcast", "static_like", "StaticInputs"]
 
 # Spec nodes (all hashable):
 #   _T                                  a tensor leaf
@@ -129,11 +129,16 @@ def _builder(spec: Hashable) -> Callable[[Any], Any]:
     raise AssertionError(f"unknown spec node {spec!r}")
 
 
+def is_broadcast(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a broadcast view (a stride 0 over more than one element: ``expand``)."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
 def static_like(t: torch.Tensor) -> torch.Tensor:
     """Uninitialised memory a graph reads in place of ``t``: ``t``'s own layout, so kernels read the strides of the
-    example, except where ``t`` is a broadcast view (a stride 0 over more than one element: ``expand``), which
-    nothing can be copied into; that one is dense."""
-    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    example, except where ``t`` is a broadcast view (:func:`is_broadcast`), which nothing can be copied into; that one
+    is dense (contiguous)."""
+    if is_broadcast(t):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 

@@ -63,10 +63,11 @@ from ._torch_compat import (
     compiled_runs_under_modes,
     compiler_of,
     is_compiled,
+    is_view,
 )
 from .addresses import difference
 from .backend import CapturePool, GraphBackend, default_backend
-from .buffers import flatten, signature_of
+from .buffers import flatten, signature_of, static_like, unflatten
 from .config import CaptureConfig, CaptureStats, PartialStats
 from .errors import CaptureError, capture_error_from, root_cause
 from .graph_cache import GraphCache
@@ -472,7 +473,7 @@ class PartialGraphs:
             node.seen.add(key)
             if status is _OPENED:
                 self._events += 1  # a module not yet tried runs eagerly: not a step whose graphs all replay
-            return node.forward(*args, **kwargs)
+            return self._before_capture(node, leaves, spec, args, kwargs)
         entry = node.cache.get(key)
         if entry is not None:
             if entry.last_step == self._step_no and entry.needs_grad and torch.is_grad_enabled():
@@ -487,13 +488,26 @@ class PartialGraphs:
             # A new signature runs eagerly once (lazy state and library plans are made outside the graph pool).
             node.seen.add(key)
             self._eager_call("new-signature warm-up")
-            return node.forward(*args, **kwargs)
+            return self._before_capture(node, leaves, spec, args, kwargs)
         if node.cache.full():
             if self.config.on_cache_full == "eager":
                 self._eager_call("graph cache full")
                 return node.forward(*args, **kwargs)
             node.cache.evict_lru()
         return self._capture(node, key, leaves, spec, args, kwargs)
+
+    @staticmethod
+    def _before_capture(node: _Node, leaves: list, spec: Hashable, args: tuple, kwargs: dict) -> Any:
+        """An eager call of a module its next call of this signature captures. A compiled module gets its inputs as
+        the capture will (copies in the capture's layout, :func:`~.buffers.static_like`, where an input is a view: a
+        broadcast one is dense there, and none is a view), so that dynamo, which guards on both, compiles now for what
+        the capture runs, not inside the capture, where Inductor's first run of new kernels cannot be captured."""
+        if node.compiled and any(is_view(t) for t in leaves):
+            try:
+                args, kwargs = unflatten(spec, [static_like(t).copy_(t) if is_view(t) else t for t in leaves])
+            except ValueError:  # an argument the capture cannot rebuild either: that capture fails, at its line
+                pass
+        return node.forward(*args, **kwargs)
 
     def _changed(self) -> None:
         """A backward graph or a graph that adds parameters' gradients into ``.grad`` was captured, or a parameter left
