@@ -1527,7 +1527,8 @@ MUTANTS: list[Mutant] = [
     Mutant("partial-compiled-warm-up-on-the-callers-views", "cpu", PARTIAL,
            "        if node.compiled and any(is_view(t) for t in leaves):",
            "        if False:",
-           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-False]", PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-False]"),
+           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-False]", PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-False]",
+            PT + "test_a_compiled_gpt2_reading_the_host_is_split_open_without_compiling_inside_a_capture"),
            "a compiled module's eager calls before its capture get the caller's views: dynamo compiles for a "
            "broadcast input and compiles again inside the capture, for the dense copy the capture reads"),
     Mutant("partial-compiled-warm-up-densifies-broadcast-views-only", "cpu", PARTIAL,

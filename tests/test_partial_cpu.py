@@ -1533,6 +1533,40 @@ def test_a_compiled_module_given_a_view_compiles_before_its_capture(compiled, de
 
 
 @pytest.mark.lightning_adapter
+def test_a_compiled_gpt2_reading_the_host_is_split_open_without_compiling_inside_a_capture():
+    """HF GPT-2 compiled whole, a host check around block 1: split open as Llama is. Its position embedding gets a
+    view of the position ids, which dynamo guards once it compiles the two embeddings with dynamic shapes: compiled
+    before the capture, for the capture's copy."""
+    hf = pytest.importorskip("test_hf_cpu")
+    from hf_models import gpt2
+
+    def guard_block(model):
+        model.transformer.h[1] = HostCheck(model.transformer.h[1])
+
+    def guard_block_graph_safe(model):
+        guard_block(model)
+        hf.graph_safe_attention(model)
+
+    eager_backend, backend = CompiledCalls(), CompiledCalls()
+    _fresh_dynamo()
+    eager_module, eager, _ = hf.fit(gpt2(), graphed=False, compile_kw={"backend": eager_backend},
+                                    prepare=guard_block_graph_safe)
+    _fresh_dynamo()
+    module, graphed, cb = hf.fit(gpt2(), graphed=True, cb_kw={"scope": "modules"}, compile_kw={"backend": backend},
+                                 prepare=guard_block)
+    assert graphed == eager
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), eager_module.parameters()))
+    rep = cb.stats.partial
+    assert rep.graphed == ["model.transformer.wte", "model.transformer.wpe", "model.transformer.drop",
+                           "model.transformer.h.0", "model.transformer.h.1.inner", "model.transformer.ln_f",
+                           "model.lm_head"], rep.graphed
+    assert list(rep.islands) == ["model.transformer.h.1"]
+    assert rep.compiled_apart == ["model", "model.transformer", "model.transformer.h.1"]
+    assert backend.in_capture == 0
+    _fresh_dynamo()
+
+
+@pytest.mark.lightning_adapter
 def test_a_compiled_submodule_reading_the_host_is_split_open_inside_an_uncompiled_model():
     """The user compiles only the check around decoder layer 1: the rest of the model is graphed as written, the
     check is split open and the layer inside it compiled alone and graphed."""
