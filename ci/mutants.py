@@ -1527,14 +1527,16 @@ MUTANTS: list[Mutant] = [
     Mutant("partial-compiled-warm-up-on-the-callers-views", "cpu", PARTIAL,
            "        if node.compiled and any(is_view(t) for t in leaves):",
            "        if False:",
-           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-False]", PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-False]",
+           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-False]",
+            PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-False]",
             PT + "test_a_compiled_gpt2_reading_the_host_is_split_open_without_compiling_inside_a_capture"),
            "a compiled module's eager calls before its capture get the caller's views: dynamo compiles for a "
            "broadcast input and compiles again inside the capture, for the dense copy the capture reads"),
     Mutant("partial-compiled-warm-up-densifies-broadcast-views-only", "cpu", PARTIAL,
            "        if node.compiled and any(is_view(t) for t in leaves):",
            "        if node.compiled and any(t.stride().count(0) for t in leaves):",
-           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-True]", PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-True]"),
+           (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-True]",
+            PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-True]"),
            "a compiled module's eager calls before its capture get a view that is not broadcast as it is: dynamo's "
            "guards on its base fail on the capture's copy, which compiles inside the capture"),
     Mutant("partial-compiled-call-keeps-the-autocast-cache", "cpu", PARTIAL,
