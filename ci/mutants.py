@@ -1638,8 +1638,8 @@ MUTANTS: list[Mutant] = [
            "the whole-step tier's refusal of module state changed every step or two also counts partial-tier steps, "
            "where no whole-step graph replays: a few changes stop a fit the partial tier follows"),
     Mutant("partial-broadcast-input-kept-strided", "cpu", "nemo_cudagraph_plugin/core/buffers.py",
-           "    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):",
-           "    if False:",
+           "    if is_broadcast(t):\n        return torch.empty(t.shape, dtype=t.dtype, device=t.device)",
+           "    if False:\n        return torch.empty(t.shape, dtype=t.dtype, device=t.device)",
            (PT + "test_a_broadcast_input_is_copied_into_dense_static_memory",),
            "a module called with an expand()ed tensor gets a static input of the same overlapping layout, which "
            "nothing can be copied into: the module becomes an island"),
