@@ -1539,6 +1539,13 @@ MUTANTS: list[Mutant] = [
             PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-True]"),
            "a compiled module's eager calls before its capture get a view that is not broadcast as it is: dynamo's "
            "guards on its base fail on the capture's copy, which compiles inside the capture"),
+    Mutant("warm-up-on-the-callers-views", "cpu", E,
+           "            warm = batch if laid is None else unflatten(spec, laid)",
+           "            warm = batch",
+           ("tests/test_hf_cpu.py::test_a_compiled_model_fed_views_compiles_outside_its_captures[llama]",
+            "tests/test_hf_cpu.py::test_a_compiled_model_fed_views_compiles_outside_its_captures[gpt2]"),
+           "the eager steps before a capture read the loader's views: a compiled model that dynamo compiled with "
+           "dynamic shapes is compiled again inside the capture, for its buffers"),
     Mutant("partial-compiled-call-keeps-the-autocast-cache", "cpu", PARTIAL,
            "        with autocast_cache_disabled():\n            return compiled(*args, **kwargs)",
            "        with contextlib.nullcontext():\n            return compiled(*args, **kwargs)",

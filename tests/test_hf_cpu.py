@@ -21,6 +21,7 @@ from hf_models import (
     HFCausalLM,
     TokenBatches,
     deepseek_v3,
+    gpt2,
     llama,
     mixtral,
     qwen2_moe,
@@ -165,6 +166,57 @@ def test_a_compiled_model_that_dynamo_runs_eagerly_never_asks_about_packing(monk
             torch.compile(module.model)(input_ids=ids, labels=ids, use_cache=False)
     torch._dynamo.reset()
     assert asked == []
+
+
+class _SlicedBatches(torch.utils.data.Dataset):
+    """Batches whose tensors are views (``block[:, :-1]`` of a longer token block), of two sequence lengths."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.items = []
+        for i in range(n):
+            block = torch.randint(0, 512, (2, (32 if i < n // 2 else 48) + 1), generator=g)
+            self.items.append({"input_ids": block[:, :-1], "labels": block[:, :-1]})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+@pytest.mark.parametrize("config", [llama, gpt2])
+def test_a_compiled_model_fed_views_compiles_outside_its_captures(config):
+    """Batches that are views and change length: dynamo compiles the second length with dynamic shapes, guarding the
+    views' bases; the capture reads its own buffers (no views). The eager steps before each capture read the batch in
+    the buffers' layout, so nothing compiles inside a capture (on CUDA, Inductor's first run of new kernels inside a
+    capture fails it)."""
+    from _tape import CompiledCalls
+
+    def run(graphed: bool, backend: CompiledCalls) -> tuple[list[float], CudaGraphCallback]:
+        torch._dynamo.reset()
+        pl.seed_everything(0, verbose=False)
+        module = HFCausalLM(config(), compile_kw={"backend": backend})
+        rec, cbs = Losses(), []
+        if graphed:
+            cbs.append(CudaGraphCallback())
+            cbs[0].step_runner.backend = TapeBackend()
+        else:
+            module.prepare = graph_safe_attention
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=16, callbacks=[*cbs, rec], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(_SlicedBatches(16), batch_size=None))
+        return rec.losses, (cbs[0] if cbs else None)
+
+    eager_backend, backend = CompiledCalls(), CompiledCalls()
+    eager, _ = run(False, eager_backend)
+    graphed, cb = run(True, backend)
+    torch._dynamo.reset()
+    assert cb.stats.captures == 2 and cb.stats.replays > 0, cb.stats.summary()
+    assert backend.in_capture == 0
+    assert graphed == eager
 
 
 @tf5_only

@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import torch
 
-from ._torch_compat import copy_all
+from ._torch_compat import copy_all, is_view
 
-__all__ = ["flatten", "unflatten", "signature_of", "is_broadcast", "static_like", "StaticInputs"]
+__all__ = ["flatten", "unflatten", "signature_of", "is_broadcast", "static_like", "capture_layout", "StaticInputs"]
 
 # Spec nodes (all hashable):
 #   _T                                  a tensor leaf
@@ -141,6 +141,17 @@ def static_like(t: torch.Tensor) -> torch.Tensor:
     if is_broadcast(t):
         return torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+def capture_layout(leaves: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+    """The tensors as a capture reads them, for the eager step before it: a copy in the static buffer's layout
+    (:func:`static_like`) where a tensor is a view, since a capture's buffers are dense where the view is broadcast and
+    never views; ``None`` where no tensor is a view. ``torch.compile`` guards on both (strides, and a view's base once
+    it compiles with dynamic shapes): an eager step on the caller's views would leave dynamo to compile again inside
+    the capture, where Inductor's first run of new kernels cannot be captured. The copies keep autograd's edges."""
+    if not any(is_view(t) for t in leaves):
+        return None
+    return [static_like(t).copy_(t) if is_view(t) else t for t in leaves]
 
 
 def signature_of(leaves: list[torch.Tensor], spec: Hashable) -> Hashable:

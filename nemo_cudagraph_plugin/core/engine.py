@@ -74,7 +74,7 @@ from ._torch_compat import copy_all
 from .adapter import Guard, StepAdapter, StepFunctions
 from .addresses import AddressBook, difference, moved_in_capture
 from .backend import CapturePool, GraphBackend, default_backend
-from .buffers import StaticInputs, flatten, signature_of, unflattener
+from .buffers import StaticInputs, capture_layout, flatten, signature_of, unflatten, unflattener
 from .config import CaptureConfig, CaptureStats
 from .errors import CaptureError, capture_error_from, is_sync_error, root_cause
 from .graph_cache import GraphCache
@@ -354,11 +354,16 @@ class CaptureEngine:
             if tier is not None and self._verify_left > 0 and tier.may_replay_only():
                 return self._verify_tier(tier, batch, fn, quiet_fn or fn)
             return fn(batch)
+        if self._warmup_left > 0 or key not in self._seen:
+            # Eager steps before a capture read the batch as the capture will (its buffers' layout), so that what
+            # they set up lazily (library plans, torch.compile's code, which guards on layouts) is what it runs.
+            laid = capture_layout(leaves)
+            warm = batch if laid is None else unflatten(spec, laid)
         if self._warmup_left > 0:
             self._warmup_left -= 1
             self._seen.add(key)
             self.stats.warmup_steps += 1
-            out = self._warmup(fn, batch, sync_check=cfg.sync_check and self._warmup_left == 0, fresh_grads=fresh_grads)
+            out = self._warmup(fn, warm, sync_check=cfg.sync_check and self._warmup_left == 0, fresh_grads=fresh_grads)
             self._after_eager()
             return out
         if key not in self._seen:
@@ -366,7 +371,7 @@ class CaptureEngine:
             # library plans are then created outside the graph pool.
             self._seen.add(key)
             self.stats.count_eager("new-signature warm-up")
-            out = self._warmup(fn, batch, sync_check=cfg.sync_check, fresh_grads=fresh_grads)
+            out = self._warmup(fn, warm, sync_check=cfg.sync_check, fresh_grads=fresh_grads)
             self._after_eager()
             return out
         if self.cache.full():

@@ -63,11 +63,10 @@ from ._torch_compat import (
     compiled_runs_under_modes,
     compiler_of,
     is_compiled,
-    is_view,
 )
 from .addresses import difference
 from .backend import CapturePool, GraphBackend, default_backend
-from .buffers import flatten, signature_of, static_like, unflatten
+from .buffers import capture_layout, flatten, signature_of, unflatten
 from .config import CaptureConfig, CaptureStats, PartialStats
 from .errors import CaptureError, capture_error_from, root_cause
 from .graph_cache import GraphCache
@@ -499,12 +498,11 @@ class PartialGraphs:
     @staticmethod
     def _before_capture(node: _Node, leaves: list, spec: Hashable, args: tuple, kwargs: dict) -> Any:
         """An eager call of a module its next call of this signature captures. A compiled module gets its inputs as
-        the capture will (copies in the capture's layout, :func:`~.buffers.static_like`, where an input is a view: a
-        broadcast one is dense there, and none is a view), so that dynamo, which guards on both, compiles now for what
-        the capture runs, not inside the capture, where Inductor's first run of new kernels cannot be captured."""
-        if node.compiled and any(is_view(t) for t in leaves):
+        the capture will (:func:`~.buffers.capture_layout`), so that dynamo compiles now for what the capture runs."""
+        laid = capture_layout(leaves) if node.compiled else None
+        if laid is not None:
             try:
-                args, kwargs = unflatten(spec, [static_like(t).copy_(t) if is_view(t) else t for t in leaves])
+                args, kwargs = unflatten(spec, laid)
             except ValueError:  # an argument the capture cannot rebuild either: that capture fails, at its line
                 pass
         return node.forward(*args, **kwargs)
