@@ -1525,18 +1525,21 @@ MUTANTS: list[Mutant] = [
            "where nothing can compile a compiled module's submodules, the tier wraps them from the start: dynamo traces "
            "the tier's wrappers inside the user's compiled code"),
     Mutant("partial-compiled-warm-up-on-the-callers-views", "cpu", PARTIAL,
-           "        if node.compiled and any(is_view(t) for t in leaves):",
-           "        if False:",
+           "        laid = capture_layout(leaves) if node.compiled else None",
+           "        laid = None",
            (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-False]",
             PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-False]",
             PT + "test_a_compiled_gpt2_reading_the_host_is_split_open_without_compiling_inside_a_capture"),
            "a compiled module's eager calls before its capture get the caller's views: dynamo compiles for a "
            "broadcast input and compiles again inside the capture, for the dense copy the capture reads"),
-    Mutant("partial-compiled-warm-up-densifies-broadcast-views-only", "cpu", PARTIAL,
-           "        if node.compiled and any(is_view(t) for t in leaves):",
-           "        if node.compiled and any(t.stride().count(0) for t in leaves):",
+    Mutant("capture-layout-copies-broadcast-views-only", "cpu", "nemo_cudagraph_plugin/core/buffers.py",
+           "    if not any(is_view(t) for t in leaves):\n        return None\n"
+           "    return [static_like(t).copy_(t) if is_view(t) else t for t in leaves]",
+           "    if not any(is_broadcast(t) for t in leaves):\n        return None\n"
+           "    return [static_like(t).copy_(t) if is_broadcast(t) else t for t in leaves]",
            (PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[model-True]",
-            PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-True]"),
+            PT + "test_a_compiled_module_given_a_view_compiles_before_its_capture[child-True]",
+            "tests/test_hf_cpu.py::test_a_compiled_model_fed_views_compiles_outside_its_captures[llama]"),
            "a compiled module's eager calls before its capture get a view that is not broadcast as it is: dynamo's "
            "guards on its base fail on the capture's copy, which compiles inside the capture"),
     Mutant("warm-up-on-the-callers-views", "cpu", E,
