@@ -305,8 +305,8 @@ class PartialStats:
     #: from outside its module too)
     grads_in_graphs: int = 0
     grads_outside: dict[str, str] = field(default_factory=dict)
-    #: ``torch.compile``d modules that read the host inside their compiled code, split open: their own code runs
-    #: uncompiled and each submodule is compiled alone with the same settings (graphed where it captures)
+    #: ``torch.compile``d modules whose compiled code is not one graph (a host read inside it), split open: their
+    #: own code runs uncompiled and each submodule is compiled alone with the same settings (graphed where it captures)
     compiled_apart: list[str] = field(default_factory=list)
 
     @property
@@ -335,8 +335,8 @@ class PartialStats:
             + (f" ({len(self.grads_outside)} by autograd: {', '.join(list(self.grads_outside)[:3])}"
                f"{', ...' if len(self.grads_outside) > 3 else ''})" if self.grads_outside else "")
             + f"; islands: {islands};"
-            + (f" compiled apart (a host read inside their compiled code): {', '.join(n or '<root>' for n in self.compiled_apart)};"
-               if self.compiled_apart else "")
+            + (" compiled apart (their compiled code not one graph): "
+               f"{', '.join(n or '<root>' for n in self.compiled_apart)};" if self.compiled_apart else "")
             + f" optimizer side {self.optimizer.split(':')[0]}"
             + (f" ({self.optimizer_eager_untouched} steps eager: parameters without a gradient in them)"
                if self.optimizer_eager_untouched else "")

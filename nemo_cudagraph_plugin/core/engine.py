@@ -354,24 +354,23 @@ class CaptureEngine:
             if tier is not None and self._verify_left > 0 and tier.may_replay_only():
                 return self._verify_tier(tier, batch, fn, quiet_fn or fn)
             return fn(batch)
-        if self._warmup_left > 0 or key not in self._seen:
-            # Eager steps before a capture read the batch as the capture will (its buffers' layout), so that what
-            # they set up lazily (library plans, torch.compile's code, which guards on layouts) is what it runs.
+        warmup = self._warmup_left > 0
+        if warmup or key not in self._seen:
+            # A new key (or a re-capture) gets one eager step first: shape-specific lazy state and library plans are
+            # then created outside the graph pool. Eager steps before a capture read the batch as the capture will
+            # (its buffers' layout), so that what they set up (torch.compile's code, which guards on layouts) is
+            # what the capture runs.
             laid = capture_layout(leaves)
             warm = batch if laid is None else unflatten(spec, laid)
-        if self._warmup_left > 0:
-            self._warmup_left -= 1
             self._seen.add(key)
-            self.stats.warmup_steps += 1
-            out = self._warmup(fn, warm, sync_check=cfg.sync_check and self._warmup_left == 0, fresh_grads=fresh_grads)
-            self._after_eager()
-            return out
-        if key not in self._seen:
-            # A new key (or a re-capture) gets one eager step first: shape-specific lazy state and
-            # library plans are then created outside the graph pool.
-            self._seen.add(key)
-            self.stats.count_eager("new-signature warm-up")
-            out = self._warmup(fn, warm, sync_check=cfg.sync_check, fresh_grads=fresh_grads)
+            if warmup:
+                self._warmup_left -= 1
+                self.stats.warmup_steps += 1
+                sync_check = cfg.sync_check and self._warmup_left == 0
+            else:
+                self.stats.count_eager("new-signature warm-up")
+                sync_check = cfg.sync_check
+            out = self._warmup(fn, warm, sync_check=sync_check, fresh_grads=fresh_grads)
             self._after_eager()
             return out
         if self.cache.full():
