@@ -225,9 +225,8 @@ class PartialGraphs:
             # torch.compile's wrapper keeps the compiled call as its instance's ``forward``: the call is graphed as one
             # module (Inductor's kernels inside our graphs); split open, the module runs uncompiled around its
             # submodules, each compiled alone
-            node.restore, call = own, own
-            if compiler_of(module) is not None:
-                node.plain = module._orig_mod.__call__
+            # (split open only where _build found a compiler for its submodules: it then has children)
+            node.restore, call, node.plain = own, own, module._orig_mod.__call__
         elif own is None and type(module).forward is not nn.Module.forward:
             call = module.forward
             if node.compiler is not None:  # inside compiled code split open: this module's own code, compiled alone
