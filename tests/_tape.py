@@ -32,7 +32,11 @@
   The frames of this file are removed from the traceback, so the engine's error points at the user's line
   as it does on CUDA.
 
-Streams are trivial, the memory pool is ``None``, the RNG state is ``torch.get_rng_state()``.
+* **memory pools** (:class:`_Pool`) hand a capture the memory of earlier captures' temporaries, as torch's caching
+  allocator does within a private pool; a graph replayed out of its pool's capture order overwrites what a later
+  capture keeps there, as on CUDA.
+
+Streams are trivial, the RNG state is ``torch.get_rng_state()``.
 Nothing in the package imports this file.
 """
 
@@ -344,10 +348,11 @@ class TapeIO:
 
 
 class _Recorder(ObservingMode):  # compiled code runs compiled under it, as under CUDA's capture
-    def __init__(self, graph: TapeGraph, sync_in_capture: str) -> None:
+    def __init__(self, graph: TapeGraph, sync_in_capture: str, pool: Optional[_Pool] = None) -> None:
         super().__init__()
         self.graph = graph
         self.sync_in_capture = sync_in_capture
+        self.pool = pool
         self._host_data = _HostDataOnDevice(_CAPTURE_MSG) if sync_in_capture == "raise" else None
 
     def __enter__(self) -> Any:
@@ -369,6 +374,15 @@ class _Recorder(ObservingMode):  # compiled code runs compiled under it, as unde
         run_args = tuple(s[0].values[s[1]] if (s := kernel_args.live_slot(a)) else a for a in args)
         run_kwargs = {k: s[0].values[s[1]] if (s := kernel_args.live_slot(v)) else v for k, v in kwargs.items()}
         out = func(*run_args, **run_kwargs)
+        pool = self.pool
+        if pool is not None and all(r.alias_info is None for r in func._schema.returns):
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list(kwargs.values()))
+                      if t is not None}
+            fresh = {id(t): pool.allocated(t) for t in _tensors(out)
+                     if t is not None and t.numel() and t.untyped_storage().data_ptr() not in inputs
+                     and t.untyped_storage().nbytes() == t.numel() * t.element_size()}
+            if fresh:
+                out = _map(out, lambda t: fresh.get(id(t), t))
         outs = _tensors(out)
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         # empty*: allocation only, nothing to re-run (its memory is the output's recorded memory).
@@ -380,6 +394,8 @@ class _Recorder(ObservingMode):  # compiled code runs compiled under it, as unde
                 a = memo.get(id(t))
                 if a is None:
                     a = memo[id(t)] = _alias(t)
+                    if pool is not None:
+                        pool.aliased(t, a)
                 return a
 
             rec_outs = [None if t is None else alias(t) for t in outs]
@@ -396,13 +412,50 @@ class _Recorder(ObservingMode):  # compiled code runs compiled under it, as unde
 
 
 class _Pool:
-    """A graph memory-pool handle: the graphs captured into it (weakly), whether any ever was, and whether a failed
-    capture left the allocator recording into it."""
+    """A graph memory-pool handle: the graphs captured into it (weakly), whether any ever was, whether a failed
+    capture left the allocator recording into it, and its memory, reused as torch's caching allocator reuses a private
+    pool's: what a capture allocates comes from a block of the same size that earlier captures into the pool allocated
+    and nothing but graphs addresses any more (an earlier graph's temporaries), where there is one.
+
+    A CUDA graph keeps writing its temporaries on every replay, so a later capture that is handed their memory and
+    keeps a tensor in it (activations its backward reads) finds it overwritten whenever the earlier graph replays
+    between: torch's rule that graphs sharing a pool replay in the order they were captured. The tape's replay writes
+    the same memory, so breaking that rule gives wrong numbers here too."""
 
     def __init__(self) -> None:
         self.graphs: weakref.WeakSet[TapeGraph] = weakref.WeakSet()
         self.used = False
         self.stuck = False
+        #: storages allocated by captures into this pool, with the tapes' aliases of each (weakly)
+        self._blocks: dict[int, tuple[Any, list[weakref.ref[Tensor]]]] = {}
+        self._free: dict[int, list[Any]] = {}  # by size: blocks free when the running capture began
+
+    def begin(self) -> None:
+        """At a capture's start: the blocks only tapes address (a block's own reference, one per live alias)."""
+        self._free = {}
+        for storage, aliases in self._blocks.values():
+            live = sum(1 for a in aliases if a() is not None)
+            if torch._C._storage_Use_Count(storage._cdata) <= live + 1:
+                self._free.setdefault(storage.nbytes(), []).append(storage)
+
+    def allocated(self, t: Tensor) -> Tensor:
+        """``t``, a fresh output of an operator in a capture, in a free block of its size if there is one (a new
+        block of the pool otherwise)."""
+        free = self._free.get(t.untyped_storage().nbytes())
+        if not free:
+            self._blocks[t.untyped_storage().data_ptr()] = (t.untyped_storage(), [])
+            return t
+        storage = free.pop()
+        with _disable_current_modes(), torch.no_grad():
+            n = torch.empty(0, dtype=t.dtype, device=t.device)
+            n.set_(storage, t.storage_offset(), t.size(), t.stride())
+            n.copy_(t)
+        return n
+
+    def aliased(self, t: Tensor, a: Tensor) -> None:
+        block = self._blocks.get(t.untyped_storage().data_ptr())
+        if block is not None:
+            block[1].append(weakref.ref(a))
 
 
 class _Stream:
@@ -489,10 +542,12 @@ class TapeBackend(GraphBackend):
                                    "caching allocator after a failed capture into this pool)")
             pool.used = True
             pool.graphs.add(graph)
+            pool.begin()
         graph.ops.clear()
         _capturing[0] += 1
         try:
-            with kernel_args.capture_scope() as scalars, _Recorder(graph, self.sync_in_capture):
+            with kernel_args.capture_scope() as scalars, _Recorder(graph, self.sync_in_capture,
+                                                                   pool if isinstance(pool, _Pool) else None):
                 yield
         except BaseException:
             if isinstance(pool, _Pool):

@@ -91,6 +91,10 @@ class CapturePool:
       without the caching allocator ending its routing into the pool (torch 2.11), and the next capture into that
       pool fails (``beginAllocateToPool: already recording to mempool_id``) however capturable it is.
 
+    * After :meth:`seal`: the next capture begins a new series (a later capture into a pool may be handed the memory
+      of earlier captures' temporaries, which is safe only while the pool's graphs replay in the order they were
+      captured; graphs captured at another time replay among the others).
+
     Graphs of different pools share no memory; each graph keeps the memory it reads alive, whichever pool it is in.
 
     Args:
@@ -107,6 +111,10 @@ class CapturePool:
         if self._handle is None or not self._live():
             self._handle = self._backend.pool()
         return self._handle
+
+    def seal(self) -> None:
+        """The captures so far keep their pool to themselves: the next capture takes a new one."""
+        self._handle = None
 
     @contextlib.contextmanager
     def capture(self, graph: Any, stream: Any) -> Iterator[None]:

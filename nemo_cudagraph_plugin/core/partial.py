@@ -8,7 +8,8 @@ free: it knows modules, not trainers.
 noted. Then the largest modules are tried first: a module called exactly once per step is a candidate unless an
 ancestor is one (a module the step never calls, or calls more than once, passes the question to its children). A
 candidate's next call is captured (:func:`~.graphed_module.capture_call`: the forward graph at the call, the
-backward graph at its backward; the graphs share one memory pool until a capture fails, :class:`~.backend.CapturePool`).
+backward graph at its backward; the graphs captured in one step share one memory pool, until a capture fails,
+:class:`~.backend.CapturePool`).
 Where the capture raises (a host read, a CPU tensor made in the forward, a data-dependent shape), the module's
 reason is kept (the capture error with its file:line, :mod:`.errors`), its children become the candidates, and the
 module runs eagerly in that same call, so its children are tried right away: one step resolves the whole tree (a
@@ -285,6 +286,10 @@ class PartialGraphs:
     def step(self) -> Iterator[None]:
         """Around one whole training step: guards before it, the tier's bookkeeping after it."""
         warm = self._warmup_left > 0
+        # Graphs captured in this step replay, in later steps, in the order of their capture, among graphs of other
+        # steps: they share no pool with those (a pool hands a capture the memory of earlier captures' temporaries,
+        # which an earlier graph replayed in between would overwrite).
+        self._pool.seal()
         if not warm:
             if any(n.status == _WATCH for n in self.nodes):
                 self._assign(self.nodes[0])
