@@ -1620,6 +1620,12 @@ MUTANTS: list[Mutant] = [
            "                why = None",
            (PT + "test_a_moved_parameter_recaptures",),
            "a graphed module's re-allocated parameter is not noticed: its graphs read the old memory"),
+    Mutant("partial-pool-shared-across-steps", "cpu", PARTIAL,
+           "        self._pool.seal()\n",
+           "",
+           (PT + "test_a_moved_parameter_recaptures",),
+           "a module captured again in a later step shares the pool of graphs that replay between its forward and its "
+           "backward: their temporaries overwrite the activations it keeps"),
     Mutant("partial-key-without-shapes", "cpu", PARTIAL,
            "        key = (signature_of(leaves, spec), tuple(t.requires_grad for t in leaves)",
            "        key = (spec, tuple(t.requires_grad for t in leaves)",
