@@ -18,6 +18,7 @@ import inspect
 import time
 import warnings
 
+import _tape
 import pytest
 import torch
 from _tape import CompiledCalls, TapeBackend
@@ -349,6 +350,20 @@ def test_the_optimizer_side_is_one_graph_equal_to_eager():
     # warm-up steps 0-1 eager; step 2 the key's first eager step; step 3 captures (and is the step); 4-7 replay
     assert (rep.optimizer_captures, rep.optimizer_replays) == (1, 4)
     assert rep.optimizer.startswith("graphed") and "optimizer side graphed" in rep.summary()
+
+
+def test_the_optimizer_graph_shares_the_pool_of_the_module_graphs_before_it(monkeypatch):
+    # captured a step after the modules' graphs, it replays after all of them: their temporaries are its to reuse
+    pools = []
+    monkeypatch.setattr(TapeBackend, "pool", lambda self: pools.append(_tape._Pool()) or pools[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = train_sgd(True)
+    tier = g[2]
+    (entry,) = tier.optimizer.graphs.values()
+    (pool,) = [p for p in pools if entry.graph in p.graphs]
+    modules = [n.cache.peek(k).fwd for n in tier.nodes for k in n.cache.keys()]
+    assert modules and any(f in pool.graphs for f in modules), "the optimizer graph took a pool of its own"
 
 
 def test_the_clipping_handed_to_the_optimizer_graph_runs_in_it():

@@ -93,7 +93,10 @@ class CapturePool:
 
     * After :meth:`seal`: the next capture begins a new series (a later capture into a pool may be handed the memory
       of earlier captures' temporaries, which is safe only while the pool's graphs replay in the order they were
-      captured; graphs captured at another time replay among the others).
+      captured; graphs captured at another time replay among the others). Except a capture with
+      ``keeps_nothing=True``: a graph that keeps no memory of the pool past its replay (the optimizer side, the adds
+      into ``.grad``) writes only blocks that hold no live tensor while it replays, so it takes the current pool,
+      which stays sealed.
 
     Graphs of different pools share no memory; each graph keeps the memory it reads alive, whichever pool it is in.
 
@@ -105,23 +108,26 @@ class CapturePool:
     def __init__(self, backend: GraphBackend, live: Callable[[], bool]) -> None:
         self._backend, self._live = backend, live
         self._handle: Any = None
+        self._sealed = False
 
-    def get(self) -> Any:
-        """The handle of the next capture."""
-        if self._handle is None or not self._live():
+    def get(self, keeps_nothing: bool = False) -> Any:
+        """The handle of the next capture (``keeps_nothing``: see the class docstring)."""
+        if self._handle is None or not self._live() or (self._sealed and not keeps_nothing):
             self._handle = self._backend.pool()
+            self._sealed = False
         return self._handle
 
     def seal(self) -> None:
-        """The captures so far keep their pool to themselves: the next capture takes a new one."""
-        self._handle = None
+        """The captures so far keep their pool to themselves: the next capture (but one with ``keeps_nothing=True``)
+        takes a new one."""
+        self._sealed = True
 
     @contextlib.contextmanager
-    def capture(self, graph: Any, stream: Any) -> Iterator[None]:
+    def capture(self, graph: Any, stream: Any, keeps_nothing: bool = False) -> Iterator[None]:
         """``backend.capture`` of ``graph`` into the current handle; a capture that raises makes the next one take a
         new handle."""
         try:
-            with self._backend.capture(graph, self.get(), stream):
+            with self._backend.capture(graph, self.get(keeps_nothing), stream):
                 yield
         except BaseException:
             self._handle = None

@@ -313,7 +313,7 @@ class GraphedCall:
 
     def __init__(self, name: str, fwd: Any, inputs: list[Tensor], params: tuple[Tensor, ...], out_spec: Hashable,
                  outs: list[Tensor], diff: list[bool], state: dict[str, int], keep: list[Any], tally: ReplayTally,
-                 new_graph: Callable[[], Any], capture: Callable[[Any], Any], finish: Callable[[Any], Any],
+                 new_graph: Callable[[], Any], capture: Callable[..., Any], finish: Callable[[Any], Any],
                  param_names: Sequence[str] = (), grads: Optional[GradAccumulation] = None) -> None:
         self.name = name
         self.fwd: Any = fwd
@@ -444,7 +444,7 @@ class GraphedCall:
         bufs = [self.grad_ins[base + i] for i in slots]
         graph = self._new_graph()
         try:
-            with self._capture(graph):
+            with self._capture(graph, keeps_nothing=True):  # adds in place: allocates nothing
                 for (_, _, grad), g in zip(named, bufs):
                     grad.add_(g)  # autograd's AccumulateGrad: `grad += new` (an existing gradient, grad mode off)
             self._finish(graph)
@@ -571,7 +571,8 @@ def capture_call(name: str, forward: Callable[..., Any], module: nn.Module, leav
 
     return GraphedCall(name, fwd, static, params, out_spec, outs, diff, {n: t.data_ptr() for n, t in named},
                        [t.untyped_storage() for _, t in named], tally, new_graph,
-                       lambda graph: pool.capture(graph, stream), lambda graph: backend.finish(graph, None),
+                       lambda graph, keeps_nothing=False: pool.capture(graph, stream, keeps_nothing),
+                       lambda graph: backend.finish(graph, None),
                        [n for n, _ in trainable] if params else (), grads)
 
 

@@ -205,7 +205,8 @@ class OptimizerGraph:
         # Where a capture runs what it records, a failed one has clipped and updated part-way: put that back.
         saved = [(t, t.clone()) for _, t in self.tensors()] if be.capture_runs_work else []
         try:
-            with self._pool.capture(graph, self._stream()):
+            # keeps nothing past its replay: it may share the pool of the module graphs captured before it
+            with self._pool.capture(graph, self._stream(), keeps_nothing=True):
                 update()
             be.finish(graph, None)
         except Exception as exc:  # noqa: BLE001 - the optimizer runs eagerly from now on, with its reason
