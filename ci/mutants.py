@@ -304,8 +304,8 @@ MUTANTS: list[Mutant] = [
            "the NeMo flag gives megatron-core 0.16.1's per-layer graphs (not equal to eager) instead of the whole "
            "iteration, and accepts a per-layer scope there"),
     Mutant("pool-kept-after-every-graph-dropped", "cpu", "nemo_cudagraph_plugin/core/backend.py",
-           "        if self._handle is None or not self._live():\n",
-           "        if self._handle is None:\n",
+           "        if self._handle is None or not self._live() or (self._sealed and not keeps_nothing):\n",
+           "        if self._handle is None or (self._sealed and not keeps_nothing):\n",
            ("tests/test_engine_tape.py::test_reallocated_state_after_capture_is_detected_and_recaptured[data]",),
            "the engine captures into the memory pool of graphs it has all dropped (torch's allocator asserts)"),
     Mutant("finite-fallback-ignores-slots", "cpu", "nemo_cudagraph_plugin/core/finite.py",
@@ -1626,6 +1626,12 @@ MUTANTS: list[Mutant] = [
            (PT + "test_a_moved_parameter_recaptures",),
            "a module captured again in a later step shares the pool of graphs that replay between its forward and its "
            "backward: their temporaries overwrite the activations it keeps"),
+    Mutant("partial-optimizer-graph-in-a-pool-of-its-own", "cpu", POPT,
+           "            with self._pool.capture(graph, self._stream(), keeps_nothing=True):",
+           "            with self._pool.capture(graph, self._stream()):",
+           (PT + "test_the_optimizer_graph_shares_the_pool_of_the_module_graphs_before_it",),
+           "the optimizer side's graph, captured a step after the modules', takes a pool of its own: its temporaries "
+           "do not reuse theirs (memory)"),
     Mutant("partial-key-without-shapes", "cpu", PARTIAL,
            "        key = (signature_of(leaves, spec), tuple(t.requires_grad for t in leaves)",
            "        key = (spec, tuple(t.requires_grad for t in leaves)",
@@ -1740,8 +1746,8 @@ MUTANTS: list[Mutant] = [
            "the pool a failed capture left the allocator recording into is used again: on CUDA every later capture "
            "into it fails and the modules after the first island stay eager"),
     Mutant("partial-backward-captured-into-the-forwards-pool", "cpu", GMOD,
-           "lambda graph: pool.capture(graph, stream)",
-           "lambda graph, fixed=pool.get(): backend.capture(graph, fixed, stream)",
+           "lambda graph, keeps_nothing=False: pool.capture(graph, stream, keeps_nothing)",
+           "lambda graph, keeps_nothing=False, fixed=pool.get(): backend.capture(graph, fixed, stream)",
            (PT + "test_discovery_graphs_the_largest_modules_around_a_module_that_reads_the_host",),
            "a backward is captured into the pool its forward had, which a failed capture in between left unusable"),
     Mutant("partial-grads-added-in-autograd-grad", "cpu", GMOD,
