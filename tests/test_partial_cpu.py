@@ -451,6 +451,17 @@ def test_a_gradient_set_to_none_recaptures_the_optimizer_graph():
     assert g[2].report.optimizer_recaptures == 1 and g[2].report.optimizer_captures == 2
 
 
+def test_a_moved_parameter_recaptures_the_optimizer_graph():
+    def move(i, model, opt, tier):
+        if i == 5:  # no hook says so: the graph would keep updating the old memory
+            model.b0.fc.weight.data = model.b0.fc.weight.data.clone()
+
+    with pytest.warns(UserWarning, match="optimizer step re-captured: 'b0.fc.weight' was re-allocated"):
+        g = train_sgd(True, steps=9, between=move)
+    assert_same_training(g, train_sgd(False, steps=9, between=move))
+    assert g[2].report.optimizer_recaptures == 1 and g[2].report.optimizer_captures == 2
+
+
 def test_a_moved_optimizer_state_is_found_when_marked_dirty():
     def move(i, model, opt, tier):
         if i == 5:

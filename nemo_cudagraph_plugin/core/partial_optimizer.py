@@ -18,8 +18,9 @@ after the closure, as eager ``zero_grad(set_to_none=True)`` leaves it: that step
 optimizers skip such a parameter; the graph was captured with every gradient present) and the graph stays.
 
 **The key** is what the graph bakes in from the deferred calls (their non-tensor arguments: the clipping value and
-algorithm). **Guards**, before every replay: each parameter's gradient is the tensor the graph was captured with (a
-gradient set to ``None`` or replaced is a new capture, with one warning); with :attr:`OptimizerGraph.dirty` set (a
+algorithm). **Guards**, before every replay: each parameter is where the graph was captured with it (``p.data = ...``
+re-allocates with no hook to tell) and its gradient the tensor the graph reads (a parameter moved, a gradient set to
+``None`` or replaced is a new capture, with one warning); with :attr:`OptimizerGraph.dirty` set (a
 state loaded, a re-prepared optimizer) every address the graph reads is compared. Hyperparameters are the owner's
 to guard (:meth:`OptimizerGraph.invalidate`), also those assigned inside the step, before the update (an ``lr`` set in
 the framework's optimizer hook): its ``before_update`` runs after the closure, before a graph is looked up.
@@ -62,7 +63,7 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this pack
 class _Entry:
     __slots__ = ("graph", "grads", "state", "keep")
 
-    def __init__(self, graph: Any, grads: list[tuple[str, Tensor, Optional[Tensor]]], state: dict[str, int],
+    def __init__(self, graph: Any, grads: list[tuple[str, Tensor, Optional[Tensor], int]], state: dict[str, int],
                  keep: list[Any]) -> None:
         self.graph, self.grads, self.state, self.keep = graph, grads, state, keep
 
@@ -187,8 +188,11 @@ class OptimizerGraph:
             fn(*args, **kw)
 
     def _valid(self, key: Hashable, entry: _Entry) -> bool:
-        why = next((f"the gradient of '{n}' was replaced or set to None" for n, p, g in entry.grads
-                    if p.grad is not g), None)
+        # every step: each parameter where the graph updates it (``p.data = ...`` moves it with no hook; the graph
+        # would keep updating the old memory) and its gradient the tensor the graph reads
+        why = next((f"'{n}' was re-allocated" if p.data_ptr() != ptr else
+                    f"the gradient of '{n}' was replaced or set to None"
+                    for n, p, g, ptr in entry.grads if p.grad is not g or p.data_ptr() != ptr), None)
         if why is None and self.dirty:
             self.dirty = False
             why = difference(entry.state, False, {n: t.data_ptr() for n, t in self.tensors()})
@@ -217,7 +221,8 @@ class OptimizerGraph:
             update()
             return
         named = self.tensors()
-        self.graphs[key] = _Entry(graph, [(n, p, p.grad) for n, p in self.named_params], {n: t.data_ptr() for n, t in named},
+        self.graphs[key] = _Entry(graph, [(n, p, p.grad, p.data_ptr()) for n, p in self.named_params],
+                                  {n: t.data_ptr() for n, t in named},
                                   [t.untyped_storage() for _, t in named])
         self.report.optimizer_captures += 1
         self._on_capture()
