@@ -1632,6 +1632,12 @@ MUTANTS: list[Mutant] = [
            (PT + "test_the_optimizer_graph_shares_the_pool_of_the_module_graphs_before_it",),
            "the optimizer side's graph, captured a step after the modules', takes a pool of its own: its temporaries "
            "do not reuse theirs (memory)"),
+    Mutant("partial-optimizer-graph-ignores-moved-parameters", "cpu", POPT,
+           "                    for n, p, g, ptr in entry.grads if p.grad is not g or p.data_ptr() != ptr), None)",
+           "                    for n, p, g, ptr in entry.grads if p.grad is not g), None)",
+           (PT + "test_a_moved_parameter_recaptures_the_optimizer_graph",),
+           "a parameter re-allocated with p.data = ... is not noticed by the optimizer side's graph: it keeps updating "
+           "the old memory"),
     Mutant("partial-key-without-shapes", "cpu", PARTIAL,
            "        key = (signature_of(leaves, spec), tuple(t.requires_grad for t in leaves)",
            "        key = (spec, tuple(t.requires_grad for t in leaves)",
@@ -1667,9 +1673,8 @@ MUTANTS: list[Mutant] = [
            "nothing can be copied into: the module becomes an island"),
     # -- the partial tier's optimizer graph ------------------------------------------------------------------------
     Mutant("partial-optimizer-grads-not-guarded", "cpu", POPT,
-           "        why = next((f\"the gradient of '{n}' was replaced or set to None\" for n, p, g in entry.grads\n"
-           "                    if p.grad is not g), None)",
-           "        why = None",
+           "                    for n, p, g, ptr in entry.grads if p.grad is not g or p.data_ptr() != ptr), None)",
+           "                    for n, p, g, ptr in entry.grads if p.data_ptr() != ptr), None)",
            (PT + "test_a_gradient_set_to_none_recaptures_the_optimizer_graph",),
            "a gradient set to None and made anew is not noticed: the optimizer graph replays the old gradients"),
     Mutant("partial-optimizer-dirty-ignored", "cpu", POPT,
