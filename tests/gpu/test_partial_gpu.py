@@ -8,6 +8,9 @@ Two cases, each bitwise equal to its eager reference in one process, with the co
   gradient is added into ``.grad`` by its module's backward graph (no tied weight). The optimizer side (the user's
   own AdamW update) is one graph (the reference is the plain eager run with the graph-safe attention the callback
   switches to);
+* the same model with a parameter of decoder layer 0 or 2 re-allocated mid-training (``w.data = w.data.clone()``):
+  that layer is captured again, in a later step than the graphs around it, which replay between its forward and its
+  backward and must not overwrite what it keeps; the optimizer side's graph must update the parameter where it now is;
 * a loss function that calls ``.item()``, ``scope="auto"``: the whole step's sync check fails at that line, the partial
   tier takes over and graphs the whole model; the reference prepares the optimizer as the whole-step tier did;
 * a learning rate the user's ``optimizer_step`` sets every step, ``scope="auto"``: the whole step is refused at that
