@@ -441,9 +441,10 @@ class _Pool:
     def allocated(self, t: Tensor) -> Tensor:
         """``t``, a fresh output of an operator in a capture, in a free block of its size if there is one (a new
         block of the pool otherwise)."""
-        free = self._free.get(t.untyped_storage().nbytes())
+        own = t.untyped_storage()
+        free = self._free.get(own.nbytes())
         if not free:
-            self._blocks[t.untyped_storage().data_ptr()] = (t.untyped_storage(), [])
+            self._blocks[own.data_ptr()] = (own, [])
             return t
         storage = free.pop()
         with _disable_current_modes(), torch.no_grad():

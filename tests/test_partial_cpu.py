@@ -838,8 +838,8 @@ def test_train_eval_change_recaptures():
 
 @pytest.mark.parametrize("name", ["b1", "b0"])
 def test_a_moved_parameter_recaptures(name):
-    # b0: captured again later than b1 and the optimizer side, whose graphs replay between its forward and its
-    # backward: the memory of their temporaries must not hold what its capture keeps (the tape's pools reuse it)
+    # b0: captured again later than b1 and out, whose graphs replay between its forward and its backward: the memory
+    # of their temporaries must not hold what its capture keeps (the tape's pools reuse it)
     def move(i, model):
         if i == 5:
             fc = getattr(model, name).fc
